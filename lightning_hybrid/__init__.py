@@ -1,0 +1,18 @@
+"""lightning-hybrid: data × tensor (× pipeline) parallelism for unmodified LightningModules.
+
+Example::
+
+    from lightning.pytorch import Trainer
+    from lightning_hybrid import HybridStrategy
+
+    trainer = Trainer(accelerator="gpu", devices=8, strategy=HybridStrategy(tp=4))   # dp=2 × tp=4
+    trainer.fit(MyLightningModule())
+
+Importing the package registers the strategy as ``Trainer(strategy="hybrid")``.
+"""
+
+from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.strategy import HybridStrategy
+
+__all__ = ["HybridStrategy", "ParallelDims"]
+__version__ = "0.1.0"

@@ -1,0 +1,99 @@
+"""Parallel degrees and the named device mesh they describe.
+
+One :class:`ParallelDims` owns the sizes of the four mesh dimensions, checks them against the world size and
+builds the :class:`~torch.distributed.device_mesh.DeviceMesh`. Dimension order, outermost first, follows the
+bandwidth each parallelism needs: pipeline stages exchange one activation per microbatch (slowest links),
+data-parallel replicas all-reduce once per step, data-parallel shards gather and reduce-scatter every block,
+and tensor-parallel ranks communicate inside every layer (fastest links, i.e. within one node).
+
+Example::
+
+    dims = ParallelDims(world_size=8, dp="auto", tp=2, pp=2)
+    mesh = dims.build_mesh("cpu")          # mesh["tp"], mesh["dp_shard"], mesh[DATA_DIMS] ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+PIPELINE = "pp"
+DATA_REPLICATE = "dp_replicate"
+DATA_SHARD = "dp_shard"
+TENSOR = "tp"
+MESH_DIMS = (PIPELINE, DATA_REPLICATE, DATA_SHARD, TENSOR)
+#: The two data-parallel dimensions; FSDP2 shards over the last one and replicates over the first (HSDP).
+DATA_DIMS = (DATA_REPLICATE, DATA_SHARD)
+
+Degree = Union[int, Literal["auto"]]
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the parallel dimensions for one run.
+
+    Arguments:
+        world_size: Number of processes in the job.
+        dp: Data-parallel *sharding* degree (FSDP2 shards parameters over it), or ``"auto"`` for whatever the
+            world size leaves after ``tp``, ``pp`` and ``dp_replicate``.
+        tp: Tensor-parallel degree.
+        pp: Pipeline-parallel degree.
+        dp_replicate: Number of data-parallel replicas of the sharded model (HSDP when > 1).
+    """
+
+    world_size: int
+    dp: Degree = "auto"
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+
+    def __post_init__(self) -> None:
+        check_degrees(self.dp, self.tp, self.pp, self.dp_replicate)
+        fixed = self.tp * self.pp * self.dp_replicate
+        if self.dp == "auto":
+            if self.world_size % fixed:
+                raise ValueError(
+                    f"tp={self.tp} × pp={self.pp} × dp_replicate={self.dp_replicate} = {fixed} does not divide the"
+                    f" world size {self.world_size} (devices × num_nodes). Choose degrees whose product divides it."
+                )
+            self.dp = self.world_size // fixed
+        if fixed * self.dp != self.world_size:
+            raise ValueError(
+                f"dp={self.dp} × tp={self.tp} × pp={self.pp} × dp_replicate={self.dp_replicate} ="
+                f" {fixed * self.dp}, but the world size (devices × num_nodes) is {self.world_size}."
+                f" Make the product equal the world size, or pass dp='auto'."
+            )
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Size of every mesh dimension, keyed by its name, outermost first."""
+        assert isinstance(self.dp, int)
+        return {PIPELINE: self.pp, DATA_REPLICATE: self.dp_replicate, DATA_SHARD: self.dp, TENSOR: self.tp}
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of distinct batches processed per step (replicas × shards)."""
+        assert isinstance(self.dp, int)
+        return self.dp * self.dp_replicate
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the 4-D mesh (all dimensions kept, size-1 ones included, so names are always valid)."""
+        mesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=MESH_DIMS)
+        # A flattened data mesh gives one group for the sampler, loss reduction and FSDP's 1-D case.
+        mesh[DATA_DIMS]._flatten("dp")
+        return mesh
+
+
+def check_degrees(dp: Degree, tp: int, pp: int, dp_replicate: int) -> None:
+    """Reject degrees that are not positive integers (``dp`` may also be ``"auto"``)."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp_replicate", dp_replicate)):
+        _check_positive_int(name, value)
+    if dp != "auto":
+        _check_positive_int("dp", dp)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"HybridStrategy({name}={value!r}) is invalid: {name} must be a positive integer" + (" or 'auto'." if name == "dp" else "."))

@@ -1,0 +1,83 @@
+"""Lightning precision plugins for the hybrid strategy: dtype handling and gradient clipping over the whole mesh.
+
+With FSDP2 the ``bf16-mixed`` flag is served by FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`
+(see :func:`lightning_hybrid.sharding.mixed_precision_policy`), not by autocast:
+
+================  ======================  =================  ===================  ==================
+precision         sharded parameters      compute / gather   gradient reduction   optimizer state
+================  ======================  =================  ===================  ==================
+``32-true``       fp32                    fp32               fp32                 fp32
+``bf16-mixed``    fp32 (master weights)   bf16               fp32                 fp32
+``bf16-true``     bf16                    bf16               bf16                 bf16
+================  ======================  =================  ===================  ==================
+
+Gradient clipping by norm must see every gradient of the model. Tensor-parallel parameters are DTensors on the
+data × tensor mesh while the rest live on the data mesh only, and ``torch.nn.utils.clip_grad_norm_`` refuses to
+combine norms from different meshes (torch issue 180346), so :func:`clip_grad_norm_` computes one norm per mesh
+and combines them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Union
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, Precision
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients in place to a total ``norm_type`` norm of ``max_norm``; returns the total norm.
+
+    Works when parameters are spread over several device meshes (and plain tensors): the per-mesh norms are
+    computed by DTensor, which reduces over each mesh, and combined here.
+    """
+    with_grads = [p for p in parameters if p.grad is not None]
+    if not with_grads:
+        return torch.tensor(0.0)
+    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for parameter in with_grads:
+        grad = parameter.grad
+        by_mesh[grad.device_mesh if isinstance(grad, DTensor) else None].append(parameter)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]), ord=norm_type)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
+    return total
+
+
+class _MeshClipping:
+    """Mixin: clip by the norm over all meshes instead of Lightning's single-mesh ``clip_grad_norm_``."""
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+
+
+class HybridPrecision(_MeshClipping, Precision):
+    """``32-true`` and ``bf16-mixed`` (bf16 handled by FSDP2's mixed-precision policy, so no autocast)."""
+
+    def __init__(self, precision: str = "32-true") -> None:
+        super().__init__()
+        self.precision = precision  # type: ignore[assignment]
+
+
+class HybridHalfPrecision(_MeshClipping, HalfPrecision):
+    """``bf16-true``: parameters, gradients and optimizer state all in bf16."""
+
+
+def precision_plugin_for(flag: str) -> Precision:
+    """The plugin that serves a Lightning precision flag under :class:`HybridStrategy`."""
+    if flag not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"HybridStrategy does not support precision={flag!r}. Choose one of {', '.join(SUPPORTED_PRECISION)}."
+        )
+    if flag == "bf16-true":
+        return HybridHalfPrecision(flag)  # type: ignore[arg-type]
+    return HybridPrecision(flag)

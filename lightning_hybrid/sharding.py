@@ -1,0 +1,95 @@
+"""Data parallelism with FSDP2 (``fully_shard``), and how ZeRO levels map onto it.
+
+FSDP2 keeps every parameter sharded over the data-parallel ranks at rest and reduce-scatters gradients, so
+gradients and optimizer state are always sharded. What remains to choose is whether a block's parameters are
+sharded again between its forward and its backward:
+
+=========  =======================================================  ==========================================
+ZeRO       what is sharded                                           FSDP2 setting
+=========  =======================================================  ==========================================
+``zero=3`` parameters, gradients, optimizer state                    ``reshard_after_forward=True``: all-gather
+                                                                     in forward *and* again in backward
+``zero=2`` gradients, optimizer state (parameters stay gathered      ``reshard_after_forward=False``: one
+           from forward to backward)                                 all-gather per step, more memory
+=========  =======================================================  ==========================================
+
+ZeRO-1 (only optimizer state sharded, full gradients all-reduced) is not offered: FSDP2 always reduce-scatters
+gradients, which moves the same bytes as an all-reduce's reduce phase and holds less memory, so ZeRO-2 is never
+worse than ZeRO-1 here.
+
+Example::
+
+    apply_fsdp(lightning_module, blocks, data_mesh, zero=3, mixed_precision=bf16_policy)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+ZERO_LEVELS = (2, 3)
+
+
+def check_zero_level(zero: object) -> int:
+    """Validate the ``zero`` option and return it."""
+    if zero == 1:
+        raise ValueError(
+            "HybridStrategy(zero=1) is not offered: FSDP2 always shards gradients, so zero=2 (sharded gradients and"
+            " optimizer state, parameters gathered once per step) uses less memory than ZeRO-1 at the same"
+            " communication volume. Use zero=2, or zero=3 to also shard parameters between forward and backward."
+        )
+    if zero not in ZERO_LEVELS:
+        raise ValueError(f"HybridStrategy(zero={zero!r}) is invalid: choose 2 or 3.")
+    return int(zero)  # type: ignore[arg-type]
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2 policy for a Lightning precision flag.
+
+    ``bf16-mixed`` gathers parameters and computes in bf16 but reduces gradients in fp32 into fp32 sharded
+    parameters (the optimizer's master weights). Other flags keep the parameters' own dtype throughout.
+    """
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(
+    root: nn.Module,
+    blocks: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    zero: int,
+    mixed_precision: MixedPrecisionPolicy,
+) -> None:
+    """Shard each block as one FSDP2 unit, then the root (embeddings, final norm, head and anything left).
+
+    ``mesh`` is the data-parallel mesh: 1-D for plain sharding, 2-D ``(replicate, shard)`` for HSDP.
+    """
+    for block in blocks:
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=zero == 3,
+            mp_policy=mixed_precision,
+            shard_placement_fn=_shard_placement,
+        )
+    # The root is gathered for the embedding at the start of forward and needed again at once by the head and
+    # in backward, so resharding it after forward would only add an all-gather.
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mixed_precision,
+                shard_placement_fn=_shard_placement)
+
+
+def _shard_placement(parameter: nn.Parameter) -> Shard | None:
+    # A fused projection's rows are already dealt to tensor-parallel ranks in strided pieces; sharding the same
+    # dimension again over data-parallel ranks would nest two strided layouts, which DTensor cannot gather back
+    # into the original order. Shard its columns instead.
+    if isinstance(parameter, DTensor) and any(isinstance(p, _StridedShard) for p in parameter.placements):
+        return Shard(1)
+    return None

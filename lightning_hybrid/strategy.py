@@ -1,0 +1,331 @@
+"""``HybridStrategy``: data × tensor (× pipeline) parallelism for an unmodified LightningModule.
+
+Lightning glue only: the parallelisms live in :mod:`lightning_hybrid.parallelize`, :mod:`~lightning_hybrid.sharding`
+and :mod:`~lightning_hybrid.tensor_parallel`; process groups, launching, DCP checkpoints and cluster environments
+come from Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`, which this class extends.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+from typing_extensions import override
+
+from lightning_hybrid.checkpoint import load_sharded, save_sharded
+from lightning_hybrid.blocks import capture_block_call, find_block_list
+from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims, check_degrees
+from lightning_hybrid.parallelize import apply_tensor_parallel
+from lightning_hybrid.precision import HybridHalfPrecision, HybridPrecision, precision_plugin_for
+from lightning_hybrid.sharding import apply_fsdp, check_zero_level, mixed_precision_policy
+from lightning_hybrid.tensor_parallel import PlanEntry
+
+log = logging.getLogger(__name__)
+
+
+class HybridStrategy(ModelParallelStrategy):
+    """Data-parallel sharding (FSDP2) × automatic tensor parallelism for a LightningModule written without either.
+
+    Example::
+
+        trainer = Trainer(accelerator="gpu", devices=8, num_nodes=2, strategy=HybridStrategy(tp=4))
+        trainer = Trainer(accelerator="cpu", devices=4, strategy="hybrid")   # dp=4
+
+    The device mesh has the named dimensions ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp`` (plus the flattened
+    ``dp``); the LightningModule reaches it as ``self.device_mesh``.
+
+    Arguments:
+        dp: Data-parallel sharding degree; ``"auto"`` takes what the world size leaves.
+        tp: Tensor-parallel degree. The linear layers of the model's repeated blocks are paired into
+            column-/row-parallel layers by how data flows between them; see :mod:`lightning_hybrid.tensor_parallel`.
+        pp: Pipeline-parallel degree (not available yet; must be 1).
+        dp_replicate: Replicas of the sharded model (HSDP): parameters are sharded within a replica and gradients
+            all-reduced across replicas.
+        zero: 3 shards parameters between forward and backward too; 2 keeps them gathered for the step
+            (see :mod:`lightning_hybrid.sharding`).
+        tp_plan: ``{module name pattern: "colwise" | "rowwise" | "replicate" | ParallelStyle}``, names from the
+            LightningModule (``fnmatch`` patterns, e.g. ``"model.blocks.*.attn.qkv"``). Overrides or completes
+            the automatic plan; entries outside the blocks are applied as given.
+        blocks: Name of the container of repeated blocks (found automatically when ``None``).
+        verify_tp_plan: Run one block unsharded and sharded at setup and refuse a plan whose outputs differ.
+        save_distributed_checkpoint: One DCP shard per rank (``True``) or one consolidated file on rank 0.
+        process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
+        timeout: Timeout of collective operations.
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        dp: Union[int, Literal["auto"]] = "auto",
+        tp: int = 1,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        zero: int = 3,
+        tp_plan: Optional[Mapping[str, PlanEntry]] = None,
+        blocks: Optional[str] = None,
+        verify_tp_plan: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if pp != 1:
+            raise NotImplementedError(f"HybridStrategy(pp={pp}): pipeline parallelism is not available yet; use pp=1.")
+        _let_pytorch_lightning_reach_our_message()
+        self._degrees = {"dp": dp, "tp": tp, "pp": pp, "dp_replicate": dp_replicate}
+        check_degrees(**self._degrees)  # fail fast on bad values; the world size is checked once it is known
+        self._zero = check_zero_level(zero)
+        self._tp_plan = dict(tp_plan or {})
+        self._blocks_path = blocks
+        self._verify_tp_plan = verify_tp_plan
+        self.dims: Optional[ParallelDims] = None
+        #: The tensor-parallel plan applied at setup, ``{module name pattern: style}``.
+        self.tp_plan_applied: dict[str, str] = {}
+
+    # ------------------------------------------------------------------------------------------ processes & mesh
+    @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        # Checked here, before any process is launched, so a wrong layout fails once and clearly.
+        self.dims = ParallelDims(world_size=self.num_nodes * self.num_processes, **self._degrees)
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        assert self.dims is not None
+        self._device_mesh = self.dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Tensor-parallel ranks of one replica must see the same batch: the sampler counts data-parallel ranks only.
+        data_mesh = self.device_mesh["dp"]
+        return {"num_replicas": data_mesh.size(), "rank": data_mesh.get_local_rank()}
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    # --------------------------------------------------------------------------------------------- precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else HybridPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if type(plugin).__module__.startswith("pytorch_lightning."):
+            raise ValueError(_STANDALONE_PACKAGE_MESSAGE)
+        # Lightning hands ModelParallelStrategy an autocast plugin for bf16-mixed; FSDP2's policy does that job here.
+        if plugin is not None and not isinstance(plugin, (HybridPrecision, HybridHalfPrecision)):
+            plugin = precision_plugin_for(getattr(plugin, "precision", "32-true"))
+        self._precision_plugin = plugin
+
+    # ------------------------------------------------------------------------------------------------- setup
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if _already_parallel(self.model):
+            rank_zero_info("HybridStrategy: configure_model() already parallelized the model; applying nothing more.")
+        else:
+            self._parallelize(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, trainer: Trainer) -> None:
+        """Tensor parallelism, then FSDP2 (see :mod:`lightning_hybrid.parallelize` for why in this order)."""
+        module = self.lightning_module
+        assert module is not None and self.dims is not None
+        module = self.precision_plugin.convert_module(module)
+        if not any(p.is_meta for p in module.parameters()):
+            module.to(self.root_device)
+        blocks_path, blocks = find_block_list(module, self._blocks_path)
+        mesh = self.device_mesh
+        if self.dims.tp > 1 or self._tp_plan:
+            block_call = capture_block_call(blocks[0], lambda: self._run_first_step(trainer))
+            self.tp_plan_applied = apply_tensor_parallel(
+                module, blocks_path, blocks, block_call, mesh[TENSOR], tp_plan=self._tp_plan, verify=self._verify_tp_plan
+            )
+            rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={self.dims.tp}): {self.tp_plan_applied}")
+        data_mesh = mesh[DATA_DIMS] if self.dims.dp_replicate > 1 else mesh[DATA_SHARD]
+        apply_fsdp(module, blocks, data_mesh, zero=self._zero, mixed_precision=mixed_precision_policy(
+            str(self.precision_plugin.precision)))
+        rank_zero_info(
+            f"HybridStrategy: FSDP2 (ZeRO-{self._zero}) over {len(blocks)} blocks of '{blocks_path}', mesh"
+            f" {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}"
+        )
+
+    def _run_first_step(self, trainer: Trainer) -> None:
+        """Run the user's step on the first batch (the block pre-hook stops it) so the first block's inputs show."""
+        module = self.lightning_module
+        assert module is not None
+        batch = _first_batch(trainer)
+        if any(p.is_meta for p in module.parameters()):
+            batch = tree_map(lambda v: v.to("meta") if isinstance(v, Tensor) else v, batch)
+        else:
+            batch = module._apply_batch_transfer_handler(batch, self.root_device)
+        step = {
+            TrainerFn.FITTING: module.training_step,
+            TrainerFn.VALIDATING: module.validation_step,
+            TrainerFn.TESTING: module.test_step,
+            TrainerFn.PREDICTING: module.predict_step,
+        }[trainer.state.fn]
+        step(batch, 0)
+
+    # -------------------------------------------------------------------------------------------- steps
+    # FSDP2 hooks the root's __call__; Lightning calls training_step directly, so route steps through __call__.
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_call("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_call("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_call("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_call("predict_step", *args, **kwargs)
+
+    def _through_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        if isinstance(module, FSDPModule):
+            return self._forward_redirection(module, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        if not self._save_distributed_checkpoint or storage_options is not None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        shards = {"state_dict": checkpoint.pop("state_dict")}
+        shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        save_sharded(shards, path)
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only)
+        assert self.model is not None and self.lightning_module is not None
+        module_state = {"state_dict": get_model_state_dict(self.model)}
+        load_sharded(module_state, path)
+        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            load_sharded(optimizer_state, path)
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state[key], options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    # ------------------------------------------------------------------------------------------- collectives
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        # Tensor-parallel ranks hold copies of one replica's values: reducing over WORLD would count each replica
+        # tp times, which a "sum" would show. Default to the data-parallel group.
+        if group is None and self._device_mesh is not None:
+            group = self.device_mesh["dp"].get_group()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Checkpoint and early-stopping decisions must agree on every rank of the job, not just one data group.
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = super().reduce(flag, group=_group.WORLD, reduce_op=ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
+
+
+_STANDALONE_PACKAGE_MESSAGE = (
+    "HybridStrategy is built on `lightning.pytorch` (the `lightning` package) and was given to a Trainer of the"
+    " standalone `pytorch_lightning` package, whose classes are separate. Import Trainer and LightningModule from"
+    " lightning.pytorch: `from lightning.pytorch import Trainer, LightningModule`."
+)
+
+
+def _let_pytorch_lightning_reach_our_message() -> None:
+    """Make a ``pytorch_lightning.Trainer`` accept the strategy far enough to hand it a precision plugin, where
+    :data:`_STANDALONE_PACKAGE_MESSAGE` is raised; otherwise it rejects it with a generic "invalid strategy"."""
+    standalone = sys.modules.get("pytorch_lightning.strategies")
+    if standalone is not None:
+        standalone.Strategy.register(HybridStrategy)
+
+
+def _already_parallel(module: torch.nn.Module) -> bool:
+    """True if ``configure_model`` applied FSDP2 or tensor parallelism itself (Lightning's ModelParallel style)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def _first_batch(trainer: Trainer) -> Any:
+    loop = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }[trainer.state.fn]
+    loaders = loop._data_source.dataloader()
+    loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
+    if isinstance(loader, Mapping):
+        loader = next(iter(loader.values()))
+    return next(iter(loader))
+
+
+StrategyRegistry.register(
+    HybridStrategy.strategy_name, HybridStrategy, description="FSDP2 × automatic tensor parallelism", override=True
+)

@@ -1,0 +1,193 @@
+"""Transformer blocks written in the styles found in the wild, for the tensor-parallel planner's tests.
+
+Each block takes ``x`` of shape ``(B, T, DIM)`` and is written as its source project writes it (names, reshape
+idioms, where head counts live); none knows about parallelism.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+DIM, HEADS = 32, 4
+
+
+class TimmAttention(nn.Module):
+    """timm ViT style: ``qkv.reshape(B, N, 3, heads, head_dim).permute(2, 0, 3, 1, 4)`` then ``unbind``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = HEADS
+        self.head_dim = DIM // HEADS
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N = x.shape[:2]
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(B, N, -1))
+
+
+class LitStyleAttention(nn.Module):
+    """litgpt style: sizes read from a shared config object, fused qkv split by explicit sizes."""
+
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.attn = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T = x.shape[:2]
+        size = self.config.n_head * self.config.head_size
+        q, k, v = self.attn(x).split((size, size, size), dim=-1)
+        q, k, v = (t.view(B, T, self.config.n_head, self.config.head_size).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, size))
+
+
+class HFAttention(nn.Module):
+    """Hugging Face style: separate projections, ``view(*input_shape, -1, head_dim)``, no head count used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = DIM // HEADS
+        self.num_key_value_groups = 2
+        self.q_proj = nn.Linear(DIM, DIM, bias=False)
+        self.k_proj = nn.Linear(DIM, DIM // 2, bias=False)
+        self.v_proj = nn.Linear(DIM, DIM // 2, bias=False)
+        self.o_proj = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        input_shape = x.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(x).view(hidden_shape).transpose(1, 2)
+        k = self.k_proj(x).view(hidden_shape).transpose(1, 2).repeat_interleave(self.num_key_value_groups, dim=1)
+        v = self.v_proj(x).view(hidden_shape).transpose(1, 2).repeat_interleave(self.num_key_value_groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(*input_shape, -1).contiguous())
+
+
+class NanoGPTAttention(nn.Module):
+    """nanoGPT style: the head size is derived from the input width ``C // n_head`` (cannot run on local heads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = HEADS, DIM
+        self.c_attn = nn.Linear(DIM, 3 * DIM)
+        self.c_proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class FusedGQAttention(nn.Module):
+    """A fused projection with fewer key/value heads: q, k, v pieces of unequal width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = HEADS, HEADS // 2, DIM // HEADS
+        self.qkv = nn.Linear(DIM, DIM + 2 * (DIM // 2))
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T = x.shape[:2]
+        q, k, v = self.qkv(x).split((self.n_head * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim), -1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2).repeat_interleave(2, dim=1)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2).repeat_interleave(2, dim=1)
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class ThreeLayerMLP(nn.Module):
+    """up → mid → down: only one column/row pair fits; the third layer must stay whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.mid = nn.Linear(2 * DIM, DIM)
+        self.down = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.mid(F.gelu(self.up(x)))))
+
+
+class Conv1D(nn.Module):
+    """GPT-2's transposed linear (weight ``[in, out]``), which the planner does not shard on its own."""
+
+    def __init__(self, nx: int, nf: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight + self.bias
+
+
+class ConvMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(DIM, 4 * DIM)
+        self.c_proj = Conv1D(4 * DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class SequentialBlock(nn.Module):
+    """Pre-norm ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(DIM), attn, nn.LayerNorm(DIM), mlp
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J / PaLM style: attention and MLP read the same normalized input, ``x + attn + mlp``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.attn, self.mlp = nn.LayerNorm(DIM), TimmAttention(), GeluMLP()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.ln(x)
+        return x + self.attn(h) + self.mlp(h)
+
+
+def build(style: str) -> nn.Module:
+    """A fresh block of the given style (seeded, so every rank builds the same weights)."""
+    torch.manual_seed(0)
+    return {
+        "timm": lambda: SequentialBlock(TimmAttention(), GeluMLP()),
+        "litgpt": lambda: SequentialBlock(LitStyleAttention(SimpleNamespace(n_head=HEADS, head_size=DIM // HEADS,
+                                                                             n_embd=DIM)), GeluMLP()),
+        "hf": lambda: SequentialBlock(HFAttention(), GeluMLP()),
+        "nanogpt": lambda: SequentialBlock(NanoGPTAttention(), GeluMLP()),
+        "fused_gqa": lambda: SequentialBlock(FusedGQAttention(), GeluMLP()),
+        "three_layer_mlp": lambda: SequentialBlock(HFAttention(), ThreeLayerMLP()),
+        "conv1d": lambda: SequentialBlock(TimmAttention(), ConvMLP()),
+        "parallel": ParallelBlock,
+    }[style]()

@@ -1,0 +1,309 @@
+"""Train a tiny test model for a few optimizer steps and save its losses and full parameters.
+
+This is a SCRIPT, not a test module: Lightning's subprocess launcher starts the extra ranks of a multi-process
+fit by re-executing ``sys.argv``, so a distributed fit cannot run inside the pytest process.
+``tests/helpers.py::run_script`` runs it in a subprocess and ``tests/test_equivalence.py`` compares the results.
+
+Usage::
+
+    # plain single-process Lightning; data order reproduces what a data-parallel size of 2 sees:
+    python tests/equivalence.py --model gpt --reference --dp 2 --devices 1 --out /tmp/ref.pt
+    # the same training with HybridStrategy (FSDP2 dp=2 x tensor-parallel tp=2 on 4 CPU processes):
+    python tests/equivalence.py --model gpt --dp 2 --tp 2 --devices 4 --out /tmp/par.pt
+    # the harness's own check against Lightning's DDP:
+    python tests/equivalence.py --model gpt --strategy ddp --dp 2 --devices 2 --out /tmp/ddp.pt
+
+What makes the reference comparable to a parallel run
+-----------------------------------------------------
+* Same initial weights: the LightningModule seeds and builds the model in ``__init__``, in every process.
+* Same data per optimizer micro-step. In a distributed run Lightning replaces the training sampler with
+  ``DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED or 0, num_replicas=<data-parallel size>,
+  rank=<data-parallel rank>)`` even though our DataLoader does not shuffle, and calls ``set_epoch(epoch)`` at
+  every epoch start. Each rank loads ``batch_size = global_batch / dp_size`` samples. The reference (one
+  process, no sampler injection) uses :class:`DistributedOrderSampler`, which yields, for every micro-step, the
+  concatenation over data-parallel ranks of exactly the samples each rank's ``DistributedSampler`` yields at
+  that micro-step, with ``batch_size = global_batch``. Tensor-parallel (and pipeline) ranks of one
+  data-parallel rank see the same samples, so only the data-parallel size matters, and the reference for a
+  layout is keyed by ``dp * dp_replicate`` (``dp_size`` below). (When the dataset size is a multiple of
+  ``dp_size``, the strided split makes each global batch the same SET of samples for every ``dp_size``; only
+  the order inside the batch differs, which changes the numbers by rounding alone. A different shuffle seed
+  or a rank that loads the wrong shard changes the losses by ~1e-2.)
+* Same loss: each rank's loss is the mean over an equal number of tokens, so the mean over ranks (what
+  ``sync_dist=True`` logs, and what data-parallel gradient averaging differentiates) equals the reference's
+  mean over the global batch.
+
+What is saved (``torch.save`` on global rank 0)
+-----------------------------------------------
+``losses``        the logged ``train_loss`` after EVERY micro-batch (``accumulate_grad_batches`` of them per
+                  optimizer step), read from ``trainer.callback_metrics`` in ``on_train_batch_end``. On a
+                  parallel run this is the ``sync_dist`` mean over all ranks. This is the value compared: it is
+                  stricter than a per-step value because each micro-batch's forward is checked on its own.
+``step_losses``   per optimizer step, the mean of its micro-batch losses (what the accumulated gradient
+                  corresponds to); derived from ``losses``, saved for reports.
+``val_losses``    the epoch-level ``val_loss`` of every validation run (one, after the first epoch).
+``params``        the FULL (unsharded) state dict of the LightningModule after fit, on CPU.
+``replica_max_abs_diff``  largest difference between ranks that hold the same parameter (0 when replicas and
+                  gathered shards agree; a diagnostic for replicas that drifted apart).
+``global_step``, ``args``, ``world_size``, ``wall_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# The launcher re-executes this file as a script (``python tests/equivalence.py``), which puts ``tests/`` and not
+# the repository root on ``sys.path``; add the root so ``tests.models`` and ``lightning_hybrid`` import.
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import Tensor  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+from tests.models import MODEL_NAMES, RandomTokenDataset, build_module, default_config  # noqa: E402
+
+ACCUMULATE_GRAD_BATCHES = 2
+GRADIENT_CLIP_VAL = 0.5
+
+
+class DistributedOrderSampler(Sampler[int]):
+    """Single-process sampler reproducing the union of what ``dp_size`` ``DistributedSampler`` ranks load.
+
+    Used with ``DataLoader(batch_size=dp_size * per_rank_batch)``: global batch ``k`` is the concatenation over
+    ranks ``r`` of rank ``r``'s micro-batch ``k``. The per-rank index lists come from torch's own
+    ``DistributedSampler`` (shuffle, padding, ``rank::num_replicas`` striding and all), so the order cannot
+    drift from what Lightning injects. Lightning calls ``set_epoch`` on ``dataloader.sampler`` at every epoch
+    start, exactly as it does on the injected sampler.
+    """
+
+    def __init__(self, dataset: Dataset, dp_size: int, per_rank_batch: int, seed: int) -> None:
+        self.dataset = dataset
+        self.dp_size = dp_size
+        self.per_rank_batch = per_rank_batch
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _rank_indices(self) -> list[list[int]]:
+        per_rank = []
+        for rank in range(self.dp_size):
+            sampler = DistributedSampler(
+                self.dataset, num_replicas=self.dp_size, rank=rank, shuffle=True, seed=self.seed
+            )
+            sampler.set_epoch(self.epoch)
+            per_rank.append(list(sampler))
+        return per_rank
+
+    def __iter__(self) -> Iterator[int]:
+        per_rank = self._rank_indices()
+        num_samples = len(per_rank[0])  # equal on every rank (DistributedSampler pads)
+        b = self.per_rank_batch
+        for start in range(0, num_samples, b):
+            for indices in per_rank:
+                yield from indices[start : start + b]
+
+    def __len__(self) -> int:
+        return sum(len(indices) for indices in self._rank_indices())
+
+
+class RecordCallback(pl.Callback):
+    """Collects logged losses and, at the end of training, the full parameters (see module docstring)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.params: dict[str, Tensor] = {}
+        self.replica_max_abs_diff: float = 0.0
+
+    @staticmethod
+    def _scalar(value: Any) -> float:
+        # A strategy with a vocabulary-parallel loss could hand back a DTensor; compare its global value.
+        full_tensor = getattr(value, "full_tensor", None)
+        if callable(full_tensor):
+            value = full_tensor()
+        return float(torch.as_tensor(value).detach().cpu().double().item())
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # ``callback_metrics`` recomputes from the live results, so it already holds this batch's on_step value,
+        # reduced over ranks at log time because of ``sync_dist=True``.
+        self.losses.append(self._scalar(trainer.callback_metrics["train_loss"]))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.val_losses.append(self._scalar(trainer.callback_metrics["val_loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Collective: every rank must call it. ``full_state_dict`` un-shards FSDP2 and DTensor parameters and
+        # unwraps nothing it should not (DDP wraps a different object than ``pl_module``). ``cpu_offload=False``
+        # on purpose: with ``cpu_offload=True`` only rank 0 keeps tensors, which would lose parameters that
+        # live only on other ranks (pipeline stages). Each rank's dict is gathered and merged on rank 0 instead.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        local = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(pl_module, options=options).items()}
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            self.params = local
+            return
+        world_size = dist.get_world_size()
+        gathered: list[dict[str, Tensor]] | None = [{} for _ in range(world_size)] if dist.get_rank() == 0 else None
+        dist.gather_object(local, gathered, dst=0)
+        if gathered is None:
+            return
+        merged: dict[str, Tensor] = {}
+        for rank_dict in gathered:
+            for name, tensor in rank_dict.items():
+                if name in merged:
+                    diff = (merged[name].double() - tensor.double()).abs().max().item() if tensor.numel() else 0.0
+                    self.replica_max_abs_diff = max(self.replica_max_abs_diff, diff)
+                else:
+                    merged[name] = tensor
+        self.params = merged
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=MODEL_NAMES, default="gpt")
+    parser.add_argument("--reference", action="store_true", help="plain single-process Lightning (devices=1)")
+    parser.add_argument("--strategy", choices=("hybrid", "ddp"), default="hybrid", help="parallel mode only")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel sharding degree")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    parser.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas (HSDP when > 1)")
+    parser.add_argument("--zero", type=int, default=None, help="HybridStrategy zero level (its default if unset)")
+    parser.add_argument(
+        "--strategy-kwargs", type=json.loads, default={}, help="extra HybridStrategy keyword arguments, as JSON"
+    )
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps (max_steps)")
+    parser.add_argument("--global-batch", type=int, default=8, help="samples per micro-step over all dp ranks")
+    parser.add_argument("--num-samples", type=int, default=64, help="training sequences")
+    parser.add_argument("--num-val-samples", type=int, default=16, help="validation sequences")
+    parser.add_argument("--seed", type=int, default=42, help="model initialisation seed")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    args.dp_size = args.dp * args.dp_replicate
+    if args.global_batch % args.dp_size:
+        parser.error(f"--global-batch {args.global_batch} is not divisible by dp * dp_replicate = {args.dp_size}")
+    if args.reference and args.devices != 1:
+        parser.error("--reference runs one process: use --devices 1 (the dp flags only set the data order)")
+    if not args.reference and args.strategy == "ddp" and (args.tp, args.pp, args.dp_replicate) != (1, 1, 1):
+        parser.error("--strategy ddp supports only data parallelism (--tp 1 --pp 1 --dp-replicate 1)")
+    if not args.reference and args.strategy == "ddp" and args.devices != args.dp:
+        parser.error("--strategy ddp needs --devices == --dp")
+    return args
+
+
+def make_strategy(args: argparse.Namespace) -> Any:
+    """The Trainer ``strategy`` argument for the requested mode."""
+    if args.reference:
+        return "auto"
+    if args.strategy == "ddp":
+        return "ddp"
+    from lightning_hybrid import HybridStrategy  # imported lazily: the reference must run without the package
+
+    kwargs: dict[str, Any] = dict(dp=args.dp, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate)
+    if args.zero is not None:
+        kwargs["zero"] = args.zero
+    kwargs.update(args.strategy_kwargs)
+    return HybridStrategy(**kwargs)
+
+
+def make_dataloaders(args: argparse.Namespace) -> tuple[DataLoader, DataLoader]:
+    """Training and validation loaders; see the module docstring for why the reference orders data this way."""
+    config = default_config(args.model)
+    train_set = RandomTokenDataset(args.num_samples, config["seq_len"], config["vocab_size"], seed=1234)
+    val_set = RandomTokenDataset(args.num_val_samples, config["seq_len"], config["vocab_size"], seed=4321)
+    if args.reference:
+        # Mirror Lightning's seed choice for the injected sampler (PL_GLOBAL_SEED is set by seed_everything).
+        seed = int(os.getenv("PL_GLOBAL_SEED", 0))
+        sampler = DistributedOrderSampler(train_set, args.dp_size, args.global_batch // args.dp_size, seed)
+        train = DataLoader(train_set, batch_size=args.global_batch, sampler=sampler)
+        # Validation order does not matter: val_loss is an equal-weight mean over all samples either way.
+        val = DataLoader(val_set, batch_size=args.global_batch, shuffle=False)
+    else:
+        per_rank = args.global_batch // args.dp_size
+        # No shuffle and no sampler here: Lightning injects the DistributedSampler described above.
+        train = DataLoader(train_set, batch_size=per_rank, shuffle=False)
+        val = DataLoader(val_set, batch_size=per_rank, shuffle=False)
+    return train, val
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    # Tiny models: keep Lightning's advice about dataloader workers and small batches out of the logs.
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*number of training batches.*")
+    start = time.perf_counter()
+
+    module = build_module(args.model, seed=args.seed)
+    train, val = make_dataloaders(args)
+    recorder = RecordCallback()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=make_strategy(args),
+        max_steps=args.steps,
+        gradient_clip_val=GRADIENT_CLIP_VAL,
+        accumulate_grad_batches=ACCUMULATE_GRAD_BATCHES,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+        callbacks=[recorder],
+    )
+    trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
+
+    if trainer.global_rank == 0:
+        expected = args.steps * ACCUMULATE_GRAD_BATCHES
+        if trainer.global_step != args.steps or len(recorder.losses) != expected:
+            raise RuntimeError(
+                f"ran {trainer.global_step} optimizer steps / {len(recorder.losses)} micro-batches,"
+                f" expected {args.steps} / {expected}"
+            )
+        step_losses = [
+            sum(recorder.losses[i : i + ACCUMULATE_GRAD_BATCHES]) / ACCUMULATE_GRAD_BATCHES
+            for i in range(0, len(recorder.losses), ACCUMULATE_GRAD_BATCHES)
+        ]
+        wall_s = time.perf_counter() - start
+        result = {
+            "losses": recorder.losses,
+            "step_losses": step_losses,
+            "val_losses": recorder.val_losses,
+            "params": recorder.params,
+            "replica_max_abs_diff": recorder.replica_max_abs_diff,
+            "global_step": trainer.global_step,
+            "world_size": trainer.world_size,
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "wall_s": wall_s,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(result, args.out)
+        print(
+            f"[equivalence] {'reference' if args.reference else args.strategy} model={args.model}"
+            f" dp={args.dp} tp={args.tp} pp={args.pp} dp_replicate={args.dp_replicate} devices={args.devices}"
+            f" wall={wall_s:.1f}s step_losses={[round(x, 6) for x in step_losses]} val={recorder.val_losses}"
+            f" replica_max_abs_diff={recorder.replica_max_abs_diff:.3g} -> {args.out}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

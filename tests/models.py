@@ -1,0 +1,393 @@
+"""Tiny, parallelism-unaware language models used by the equivalence tests.
+
+Both models are written the way an ordinary user writes them: no FSDP, tensor-parallel or pipeline code, no
+knowledge of the mesh. ``HybridStrategy`` must shard them as they are, and the equivalence tests check that the
+sharded training produces the same numbers as plain single-process Lightning.
+
+Two architectures on purpose, because they stress different parts of a tensor-parallel planner:
+
+* :class:`TinyGPT` - learned positional embedding, fused ``qkv`` projection (``nn.Linear(C, 3C)``) and linear
+  biases, bias-free LayerNorm, GELU MLP.
+* :class:`TinyLlama` - no positional embedding, rotary embedding tables computed once in the model's forward
+  and passed to every block as a second argument, grouped-query attention (``n_kv_heads < n_heads``) with
+  separate ``wq/wk/wv/wo`` without bias, RMSNorm, SwiGLU MLP.
+
+Attention modules keep their head counts and sizes as integer attributes and read every shape from them, never
+from ``x.size(-1)``: a tensor-parallel planner rescales those attributes to the per-rank (local) values while
+the block input ``x`` still has the full hidden size.
+
+Both are deliberately tiny (vocab 64, sequence 16, hidden 32, 2 layers) so a multi-process CPU run over gloo
+takes seconds, and have no dropout so that nothing random happens after initialisation.
+
+Numerical choices that keep the reference-vs-parallel noise floor far below the tests' 1e-5 tolerance
+------------------------------------------------------------------------------------------------------
+A parallel run sums the same numbers in a different order, so gradients differ from the reference by fp32
+rounding (~1e-7 relative, more where a gradient is a near-cancelling sum). Adam divides by ``sqrt(v) + eps`` and
+so turns a gradient entry near ``eps`` into an O(lr) update whose exact value depends on that rounding. Measured
+against Lightning's DDP (which is correct by construction), with AdamW's default ``eps=1e-8`` the worst parameter
+differed by up to 2e-5 (Llama) and 2e-3 (GPT); this is why:
+
+* ``adam_eps=1e-5``: far above gradient rounding noise (~1e-10 here) and far below typical gradient entries
+  (~1e-3 after clipping), so Adam still normalises real gradients but no longer amplifies noise into updates.
+* ``lr=3e-3``: parameters still move by ~1e-2 (three orders of magnitude above the tolerance), but rounding
+  differences grow less over the steps than at 1e-2 (measured worst case 1.8e-6 vs 4.6e-6 over 6 seeds).
+* GPT's LayerNorms have no bias (as in GPT variants built with ``bias=False``): a LayerNorm bias in front of
+  ``qkv`` receives an exactly-cancelling gradient through the key path and starts at zero, so its per-tensor
+  relative difference was the largest in the model. The ``qkv`` bias is kept because sharding a fused bias is
+  something a tensor-parallel planner must get right (its key third also has an exactly-zero gradient, which is
+  harmless with the ``eps`` above because that tensor does not start at zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+__all__ = [
+    "MODEL_NAMES",
+    "GPTConfig",
+    "LlamaConfig",
+    "TinyGPT",
+    "TinyLlama",
+    "RMSNorm",
+    "LMLightningModule",
+    "RandomTokenDataset",
+    "build_module",
+    "default_config",
+]
+
+ModelName = Literal["gpt", "llama"]
+MODEL_NAMES: tuple[ModelName, ...] = ("gpt", "llama")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPT-style model (fused QKV)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class GPTConfig:
+    """Dimensions of :class:`TinyGPT`. Head count and vocabulary are divisible by 2 and 4 (tensor-parallel)."""
+
+    vocab_size: int = 64
+    seq_len: int = 16
+    embed_dim: int = 32
+    num_heads: int = 4
+    num_layers: int = 2
+    mlp_ratio: int = 4
+
+
+class FusedSelfAttention(nn.Module):
+    """Causal multi-head self-attention with one fused ``qkv`` projection."""
+
+    def __init__(self, embed_dim: int, num_heads: int) -> None:
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        # Integer attributes a tensor-parallel planner may rescale to local (per-rank) values.
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+        self.proj = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T = x.shape[:2]
+        # Split by the (possibly local) embed_dim attribute, not by x's last dimension.
+        q, k, v = self.qkv(x).split(self.embed_dim, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, self.embed_dim)
+        return self.proj(y)
+
+
+class GeluMLP(nn.Module):
+    """Two-layer feed-forward network with GELU."""
+
+    def __init__(self, embed_dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(embed_dim, hidden_dim)
+        self.fc_out = nn.Linear(hidden_dim, embed_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.embed_dim, bias=False)
+        self.attn = FusedSelfAttention(config.embed_dim, config.num_heads)
+        self.ln_2 = nn.LayerNorm(config.embed_dim, bias=False)
+        self.mlp = GeluMLP(config.embed_dim, config.mlp_ratio * config.embed_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """GPT-style decoder: token + learned position embeddings, ``blocks``, final LayerNorm, untied ``head``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.embed_dim)
+        self.pos_emb = nn.Embedding(config.seq_len, config.embed_dim)
+        self.blocks = nn.ModuleList(GPTBlock(config) for _ in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.embed_dim, bias=False)
+        # Untied on purpose: weight tying across an embedding and a head sharded differently is out of scope.
+        self.head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Map token ids ``(B, T)`` to logits ``(B, T, vocab_size)``."""
+        T = idx.shape[1]
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Llama-style model (RoPE, GQA, SwiGLU, RMSNorm)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class LlamaConfig:
+    """Dimensions of :class:`TinyLlama`. ``n_heads`` and ``n_kv_heads`` are divisible by a tensor-parallel 2."""
+
+    vocab_size: int = 64
+    seq_len: int = 16
+    dim: int = 32
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    n_layers: int = 2
+    ffn_hidden: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> Tensor:
+    """Rotary tables as ONE tensor of shape ``(seq_len, head_dim // 2, 2)`` holding ``(cos, sin)`` pairs.
+
+    A single tensor (rather than a tuple) keeps the extra block argument simple for module hooks, activation
+    checkpointing and pipeline stages.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate ``x`` of shape ``(B, H, T, head_dim)`` with the "rotate half" convention."""
+    cos, sin = rope[..., 0], rope[..., 1]  # (T, head_dim // 2) each, broadcast over B and H
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class GQAttention(nn.Module):
+    """Causal grouped-query attention with separate bias-free projections ``wq, wk, wv, wo``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        if config.dim % config.n_heads or config.n_heads % config.n_kv_heads:
+            raise ValueError("dim must be divisible by n_heads and n_heads by n_kv_heads")
+        # Integer attributes a tensor-parallel planner may rescale to local (per-rank) values.
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.dim // config.n_heads
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        B, T = x.shape[:2]
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # Query head h uses kv head h // n_rep; with contiguous head sharding this stays rank-local.
+        n_rep = self.n_heads // self.n_kv_heads
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1(x)) * w3(x))`` (gate ``w1``, up ``w3``, down ``w2``)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm Llama block taking the rotary tables as a second argument."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = GQAttention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = SwiGLU(config.dim, config.ffn_hidden)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    """Llama-style decoder: token embedding, ``layers`` (each ``block(x, rope)``), final RMSNorm, ``output``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Map token ids ``(B, T)`` to logits ``(B, T, vocab_size)``."""
+        # Computed once here, outside the trunk, and handed to every block (as torchtitan's Llama does): the
+        # blocks must accept an extra non-parameter tensor argument, which is what the strategy has to support.
+        head_dim = self.config.dim // self.config.n_heads
+        rope = rope_tables(idx.shape[1], head_dim, self.config.rope_theta, device=idx.device)
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, rope)
+        return self.output(self.norm(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------
+class RandomTokenDataset(Dataset):
+    """``num_samples`` fixed random token sequences; item ``i`` is ``(tokens[:-1], tokens[1:])``.
+
+    Generated once from a private generator so the content is identical in every process and every run,
+    independent of the global RNG state.
+    """
+
+    def __init__(self, num_samples: int = 64, seq_len: int = 16, vocab_size: int = 64, seed: int = 1234) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab_size, (num_samples, seq_len + 1), generator=generator)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        row = self.tokens[index]
+        return row[:-1], row[1:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LightningModule
+# ----------------------------------------------------------------------------------------------------------------
+def _warmup_then_constant(warmup_steps: int) -> Callable[[int], float]:
+    """Learning-rate factor: linear warm-up over ``warmup_steps`` optimizer steps, then 1."""
+
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps)
+
+    return factor
+
+
+class LMLightningModule(pl.LightningModule):
+    """Plain LightningModule around :class:`TinyGPT` or :class:`TinyLlama`.
+
+    The model is built eagerly in ``__init__`` right after ``torch.manual_seed(seed)``, so every process of a
+    distributed run starts from bit-identical weights without any broadcast (the strategy may still broadcast).
+
+    Arguments:
+        model: ``"gpt"`` (:class:`TinyGPT`) or ``"llama"`` (:class:`TinyLlama`).
+        seed: Seed for the initial weights.
+        lr, weight_decay, adam_eps: AdamW settings (see the module docstring for the non-default ``eps``).
+        warmup_steps: Optimizer steps of linear learning-rate warm-up (a ``LambdaLR`` stepped every step, so a
+            strategy that miscounts steps shows up in the numbers).
+        config: Overrides of the model's config dataclass fields.
+    """
+
+    def __init__(
+        self,
+        model: ModelName = "gpt",
+        seed: int = 42,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 3,
+        adam_eps: float = 1e-5,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        if model == "gpt":
+            self.model: nn.Module = TinyGPT(GPTConfig(**(config or {})))
+        elif model == "llama":
+            self.model = TinyLlama(LlamaConfig(**(config or {})))
+        else:
+            raise ValueError(f"unknown model {model!r}; expected one of {MODEL_NAMES}")
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        inputs, targets = batch
+        logits = self(inputs)
+        # Mean over all B*T tokens of this rank's batch. Every data-parallel rank has the same batch size, so
+        # the mean over ranks equals the mean over the global batch (what a single process computes).
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True, on_step=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, eps=self.hparams.adam_eps
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_then_constant(self.hparams.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def build_module(model: ModelName, seed: int = 42, **kwargs: Any) -> LMLightningModule:
+    """Convenience constructor used by the harness and tests."""
+    return LMLightningModule(model=model, seed=seed, **kwargs)
+
+
+def default_config(model: ModelName) -> dict[str, Any]:
+    """The dataclass defaults of ``model`` as a dict (handy for sizing the dataset)."""
+    return asdict(GPTConfig() if model == "gpt" else LlamaConfig())
+
