@@ -9,13 +9,16 @@ the unmodified module's layout (loadable under any other layout) and loading wri
 Example::
 
     save_sharded({"state_dict": get_model_state_dict(model)}, path)
-    load_sharded({"state_dict": get_model_state_dict(model)}, path)   # fills the model's shards in place
+    state = {"state_dict": get_model_state_dict(model)}
+    load_sharded(state, path)                 # fills the model's shards in place
+    model.load_state_dict(state["state_dict"])
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,23 +33,39 @@ from lightning_hybrid.mesh import TENSOR
 
 def save_sharded(state: dict[str, Any], path: Path) -> None:
     """Write ``state`` (nested dicts of tensors and objects) as a DCP checkpoint folder."""
-    dcp.save(checkpointable(state), checkpoint_id=path)
+    with checkpointable(state):
+        dcp.save(state, checkpoint_id=path)
 
 
 def load_sharded(state: dict[str, Any], path: Path) -> None:
-    """Load a DCP checkpoint into the tensors of ``state`` in place (any saved layout)."""
-    dcp.load(checkpointable(state), checkpoint_id=path)
+    """Load a DCP checkpoint into ``state`` in place: tensors are filled, other values (step counts, learning
+    rates) are replaced. Works for any layout the checkpoint was saved with."""
+    with checkpointable(state):
+        dcp.load(state, checkpoint_id=path)
 
 
-def checkpointable(state: Any) -> Any:
-    """``state`` with every tensor-parallel strided DTensor replaced by a view that DCP describes piece by piece."""
-    if isinstance(state, dict):
-        return {key: checkpointable(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [checkpointable(value) for value in state]
-    if isinstance(state, DTensor) and _tensor_parallel_stride(state) is not None:
-        return _piecewise(state)
-    return state
+@contextmanager
+def checkpointable(state: Any) -> Iterator[None]:
+    """Within the context, every tensor-parallel strided DTensor in ``state`` is swapped (in place, since DCP
+    loads non-tensor values into the very dicts it is given) for a view that DCP describes piece by piece."""
+    swapped = []
+    for container, key in _strided_entries(state):
+        swapped.append((container, key, container[key]))
+        container[key] = _piecewise(container[key])
+    try:
+        yield
+    finally:
+        for container, key, original in swapped:
+            container[key] = original
+
+
+def _strided_entries(state: Any) -> Iterator[tuple[Any, Any]]:
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
+    for key, value in items:
+        if isinstance(value, DTensor) and _tensor_parallel_stride(value) is not None:
+            yield state, key
+        else:
+            yield from _strided_entries(value)
 
 
 def _tensor_parallel_stride(tensor: DTensor) -> tuple[int, _StridedShard] | None:

@@ -110,6 +110,7 @@ class HybridStrategy(ModelParallelStrategy):
         self._blocks_path = blocks
         self._verify_tp_plan = verify_tp_plan
         self.dims: Optional[ParallelDims] = None
+        self._parallelized_here = False  # a later trainer.test()/predict() reuses the module as it was left
         #: The tensor-parallel plan applied at setup, ``{module name pattern: style}``.
         self.tp_plan_applied: dict[str, str] = {}
 
@@ -158,10 +159,10 @@ class HybridStrategy(ModelParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if _already_parallel(self.model):
-            rank_zero_info("HybridStrategy: configure_model() already parallelized the model; applying nothing more.")
-        else:
+        if not _already_parallel(self.model):
             self._parallelize(trainer)
+        elif not self._parallelized_here:
+            rank_zero_info("HybridStrategy: configure_model() already parallelized the model; applying nothing more.")
         _materialize_distributed_module(self.model, self.root_device)
         self.model_to_device()
         self.barrier()
@@ -173,6 +174,7 @@ class HybridStrategy(ModelParallelStrategy):
 
     def _parallelize(self, trainer: Trainer) -> None:
         """Tensor parallelism, then FSDP2 (see :mod:`lightning_hybrid.parallelize` for why in this order)."""
+        self._parallelized_here = True
         module = self.lightning_module
         assert module is not None and self.dims is not None
         module = self.precision_plugin.convert_module(module)

@@ -68,12 +68,19 @@ if str(_REPO_ROOT) not in sys.path:
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
-from tests.models import MODEL_NAMES, RandomTokenDataset, build_module, default_config  # noqa: E402
+from tests.models import (  # noqa: E402
+    MODEL_NAMES,
+    LMLightningModule,
+    RandomTokenDataset,
+    build_module,
+    default_config,
+)
 
 ACCUMULATE_GRAD_BATCHES = 2
 GRADIENT_CLIP_VAL = 0.5
@@ -175,6 +182,41 @@ class RecordCallback(pl.Callback):
         self.params = merged
 
 
+class UserParallelModule(LMLightningModule):
+    """A module written for Lightning's ModelParallelStrategy: it applies FSDP2 itself in ``configure_model``."""
+
+    def __init__(self, model: str, seed: int) -> None:
+        super().__init__(model=model, seed=seed)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.model, FSDPModule):
+            return  # Lightning calls the hook again for trainer.test()/predict(); it must be idempotent
+        data_mesh = self.device_mesh["dp"]
+        blocks = self.model.blocks if hasattr(self.model, "blocks") else self.model.layers
+        for block in blocks:
+            fully_shard(block, mesh=data_mesh)
+        fully_shard(self.model, mesh=data_mesh)
+
+
+def _gather_to_rank0(value: Any) -> list[Any]:
+    """Every rank's ``value`` on rank 0 (``[value]`` in a single process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered or []
+
+
+def _checkpoint_step(path: Path | None) -> int:
+    """The optimizer step a Lightning checkpoint was saved at (0 when not resuming)."""
+    if path is None:
+        return 0
+    meta = path / "meta.pt" if path.is_dir() else path
+    return int(torch.load(meta, weights_only=False)["global_step"])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=MODEL_NAMES, default="gpt")
@@ -194,6 +236,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=64, help="training sequences")
     parser.add_argument("--num-val-samples", type=int, default=16, help="validation sequences")
     parser.add_argument("--seed", type=int, default=42, help="model initialisation seed")
+    parser.add_argument("--precision", default="32-true", help="Lightning precision flag")
+    parser.add_argument("--checkpoint-dir", type=Path, help="save a sharded checkpoint at every epoch end here")
+    parser.add_argument("--ckpt-path", type=Path, help="resume from this checkpoint")
+    parser.add_argument("--monitor", action="store_true",
+                        help="add ModelCheckpoint(monitor='val_loss') and EarlyStopping; record each rank's decisions")
+    parser.add_argument("--user-parallel", action="store_true",
+                        help="the module applies FSDP2 itself in configure_model (HybridStrategy must respect it)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -251,29 +300,47 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", ".*number of training batches.*")
     start = time.perf_counter()
 
-    module = build_module(args.model, seed=args.seed)
+    module = UserParallelModule(args.model, seed=args.seed) if args.user_parallel else build_module(args.model, seed=args.seed)
     train, val = make_dataloaders(args)
     recorder = RecordCallback()
+    callbacks: list[pl.Callback] = [recorder]
+    if args.checkpoint_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_epochs=1, save_top_k=-1))
+    if args.monitor:
+        # Any positive val_loss counts as diverged: stop at the first validation, on every rank or none.
+        callbacks += [ModelCheckpoint(dirpath=args.out.parent / "best", monitor="val_loss", save_top_k=1),
+                      EarlyStopping(monitor="val_loss", divergence_threshold=0.0)]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=make_strategy(args),
+        precision=args.precision,
         max_steps=args.steps,
         gradient_clip_val=GRADIENT_CLIP_VAL,
         accumulate_grad_batches=ACCUMULATE_GRAD_BATCHES,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.checkpoint_dir is not None or args.monitor,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         deterministic=True,
-        callbacks=[recorder],
+        callbacks=callbacks,
     )
-    trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
+    trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.ckpt_path)
+    decisions = _gather_to_rank0({
+        "global_step": trainer.global_step,
+        "should_stop": trainer.should_stop,
+        "best_model_path": trainer.checkpoint_callback.best_model_path if args.monitor else "",
+    })
+    fit_step = trainer.global_step
+    # Evaluation after fit: test_step through the strategy, and predict_step (each rank predicts its data shard).
+    test_loss = trainer.test(module, dataloaders=val, verbose=False)[0]["test_loss"]
+    predictions = trainer.predict(module, dataloaders=val)
 
     if trainer.global_rank == 0:
-        expected = args.steps * ACCUMULATE_GRAD_BATCHES
-        if trainer.global_step != args.steps or len(recorder.losses) != expected:
+        first_step = _checkpoint_step(args.ckpt_path)
+        expected = (args.steps - first_step) * ACCUMULATE_GRAD_BATCHES
+        if not args.monitor and (fit_step != args.steps or len(recorder.losses) != expected):
             raise RuntimeError(
                 f"ran {trainer.global_step} optimizer steps / {len(recorder.losses)} micro-batches,"
                 f" expected {args.steps} / {expected}"
@@ -289,7 +356,11 @@ def main(argv: list[str] | None = None) -> None:
             "val_losses": recorder.val_losses,
             "params": recorder.params,
             "replica_max_abs_diff": recorder.replica_max_abs_diff,
-            "global_step": trainer.global_step,
+            "global_step": fit_step,
+            "rank_decisions": decisions,
+            "test_loss": float(test_loss),
+            "prediction_shapes": [tuple(p.shape) for p in predictions],
+            "tp_plan": getattr(trainer.strategy, "tp_plan_applied", {}),
             "world_size": trainer.world_size,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "wall_s": wall_s,

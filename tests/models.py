@@ -374,6 +374,12 @@ class LMLightningModule(pl.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), sync_dist=True)
 
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(-1)
+
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(
             self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, eps=self.hparams.adam_eps

@@ -38,6 +38,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp_replicate: int = 1
+    zero: int = 3
 
     @property
     def dp_size(self) -> int:
@@ -50,6 +51,7 @@ class Layout:
             f"--tp={self.tp}",
             f"--pp={self.pp}",
             f"--dp-replicate={self.dp_replicate}",
+            f"--zero={self.zero}",
             f"--devices={self.devices}",
         ]
 
@@ -60,6 +62,7 @@ LAYOUTS = [
     Layout("tp2", devices=2, tp=2),
     Layout("dp2xtp2", devices=4, dp=2, tp=2),
     Layout("hsdp2x2", devices=4, dp=2, dp_replicate=2),
+    Layout("dp2xtp2-zero2", devices=4, dp=2, tp=2, zero=2),
 ]
 
 
