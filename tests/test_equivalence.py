@@ -132,6 +132,15 @@ def test_reference_is_deterministic_and_trains(model: str, reference_run: Refere
     assert min(moved.values()) > 100 * RTOL, moved
 
 
+def test_reference_gradient_clipping_is_active(reference_run: ReferenceFn, tmp_path: Path) -> None:
+    """Clipping must change the numbers, or the equivalence tests would not check the global gradient norm."""
+    clipped = reference_run("gpt", 2)
+    unclipped = run_script(["--model", "gpt", "--reference", "--dp", 2, "--gradient-clip-val", 0,
+                            "--out", tmp_path / "unclipped.pt"])
+    moved = max(relative_difference(clipped["params"][n], unclipped["params"][n]) for n in clipped["params"])
+    assert moved > 100 * RTOL
+
+
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
 @pytest.mark.parametrize("num_samples", [64, 30])  # 30: DistributedSampler pads to a multiple of dp_size
 def test_reference_order_matches_distributed_sampler(dp_size: int, num_samples: int) -> None:
