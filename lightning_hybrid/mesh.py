@@ -9,7 +9,7 @@ and tensor-parallel ranks communicate inside every layer (fastest links, i.e. wi
 Example::
 
     dims = ParallelDims(world_size=8, dp="auto", tp=2, pp=2)
-    mesh = dims.build_mesh("cpu")          # mesh["tp"], mesh["dp_shard"], mesh[DATA_DIMS] ...
+    mesh, data_mesh = dims.build_mesh("cpu")   # mesh["tp"], mesh["dp_shard"], ...; data_mesh: replicas × shards
 """
 
 from __future__ import annotations
@@ -78,12 +78,18 @@ class ParallelDims:
         assert isinstance(self.dp, int)
         return self.dp * self.dp_replicate
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the 4-D mesh (all dimensions kept, size-1 ones included, so names are always valid)."""
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """Create the 4-D mesh (all dimensions kept, size-1 ones included, so names are always valid) and the
+        flattened data-parallel mesh ``dp`` (replicas × shards: one group for the sampler and metric reduction).
+        """
         mesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=MESH_DIMS)
-        # A flattened data mesh gives one group for the sampler, loss reduction and FSDP's 1-D case.
-        mesh[DATA_DIMS]._flatten("dp")
-        return mesh
+        data_mesh = mesh[DATA_DIMS]._flatten("dp")
+        # Gradient norms of tensor-parallel parameters are partial over data and tensor ranks at once; with these
+        # dimensions flattened DTensor reduces them in one all-reduce instead of one per dimension (which may
+        # also round differently on different ranks).
+        mesh[(DATA_SHARD, TENSOR)]._flatten("dp_shard_tp")
+        mesh[(DATA_REPLICATE, DATA_SHARD, TENSOR)]._flatten("dp_tp")
+        return mesh, data_mesh
 
 
 def check_degrees(dp: Degree, tp: int, pp: int, dp_replicate: int) -> None:

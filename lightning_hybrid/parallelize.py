@@ -56,7 +56,7 @@ def apply_tensor_parallel(
     outside = {name: entry for name, entry in overrides.items() if not name.startswith(blocks_path + ".")}
 
     with torch.random.fork_rng(devices=[]):  # planning must not shift the user's random stream
-        reference = _reference_copy(blocks[0], mesh.device_type)
+        reference = _reference_copy(blocks[0], mesh)
         args, kwargs = _check_inputs(block_call, reference, mesh)
         was_training = reference.training
         reference.eval()  # dropout would make the unsharded and sharded outputs differ
@@ -132,29 +132,30 @@ def _verify_whole_plan(
 
 
 def _plan_error(reference: nn.Module, plan: BlockPlan, args: tuple, kwargs: dict, mesh: DeviceMesh) -> float:
+    """The plan check's error, agreed over the tensor-parallel group so every rank takes the same decision."""
     sharded = copy.deepcopy(reference)
     apply_block_plan(sharded, plan, mesh)
     try:
-        return plan_error(reference, sharded, args, kwargs, mesh.get_group())
+        error = plan_error(reference, sharded, args, kwargs)
     except Exception as failure:  # a wrong layout often fails loudly (shape mismatch) rather than numerically
         log.debug(f"plan candidate raised {failure!r}")
-        return _agreed_failure(mesh)
+        error = float("inf")
+    agreed = torch.tensor(error, device=_collective_device(mesh))
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return float(agreed)
 
 
-def _agreed_failure(mesh: DeviceMesh) -> float:
-    # Every rank reaches this point for the same candidate (same code, same shapes), but the all-reduce in
-    # plan_error may have been skipped; run it here so collectives stay matched across the group.
-    flag = torch.tensor(float("inf"), device="cuda" if mesh.device_type == "cuda" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group())
-    return float(flag)
+def _collective_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def _reference_copy(block: nn.Module, device_type: str) -> nn.Module:
+def _reference_copy(block: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """An unsharded copy of the block holding real numbers (materialized from the meta device if needed)."""
     reference = copy.deepcopy(block)
     if any(p.is_meta for p in reference.parameters()):
-        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-        reference = reference.to_empty(device=device)
+        reference = reference.to_empty(device=_collective_device(mesh))
         torch.manual_seed(0)  # identical weights on every rank: the sharded copy is scattered from rank 0's
         for module in reference.modules():
             if callable(getattr(module, "reset_parameters", None)):

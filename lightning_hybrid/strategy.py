@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
@@ -57,8 +58,8 @@ class HybridStrategy(ModelParallelStrategy):
         trainer = Trainer(accelerator="gpu", devices=8, num_nodes=2, strategy=HybridStrategy(tp=4))
         trainer = Trainer(accelerator="cpu", devices=4, strategy="hybrid")   # dp=4
 
-    The device mesh has the named dimensions ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp`` (plus the flattened
-    ``dp``); the LightningModule reaches it as ``self.device_mesh``.
+    The device mesh has the named dimensions ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``; the LightningModule
+    reaches it as ``self.device_mesh``. ``strategy.data_mesh`` flattens the data-parallel ranks (replicas × shards).
 
     Arguments:
         dp: Data-parallel sharding degree; ``"auto"`` takes what the world size leaves.
@@ -110,6 +111,8 @@ class HybridStrategy(ModelParallelStrategy):
         self._blocks_path = blocks
         self._verify_tp_plan = verify_tp_plan
         self.dims: Optional[ParallelDims] = None
+        #: Data-parallel ranks (replicas × shards) flattened into one mesh; set when processes start.
+        self.data_mesh: Optional[DeviceMesh] = None
         self._parallelized_here = False  # a later trainer.test()/predict() reuses the module as it was left
         #: The tensor-parallel plan applied at setup, ``{module name pattern: style}``.
         self.tp_plan_applied: dict[str, str] = {}
@@ -125,7 +128,7 @@ class HybridStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._setup_distributed()
         assert self.dims is not None
-        self._device_mesh = self.dims.build_mesh(self.root_device.type)
+        self._device_mesh, self.data_mesh = self.dims.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -133,8 +136,7 @@ class HybridStrategy(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Tensor-parallel ranks of one replica must see the same batch: the sampler counts data-parallel ranks only.
-        data_mesh = self.device_mesh["dp"]
-        return {"num_replicas": data_mesh.size(), "rank": data_mesh.get_local_rank()}
+        return {"num_replicas": self.data_mesh.size(), "rank": self.data_mesh.get_local_rank()}
 
     @property
     def is_distributed(self) -> bool:
@@ -188,8 +190,8 @@ class HybridStrategy(ModelParallelStrategy):
                 module, blocks_path, blocks, block_call, mesh[TENSOR], tp_plan=self._tp_plan, verify=self._verify_tp_plan
             )
             rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={self.dims.tp}): {self.tp_plan_applied}")
-        data_mesh = mesh[DATA_DIMS] if self.dims.dp_replicate > 1 else mesh[DATA_SHARD]
-        apply_fsdp(module, blocks, data_mesh, zero=self._zero, mixed_precision=mixed_precision_policy(
+        fsdp_mesh = mesh[DATA_DIMS] if self.dims.dp_replicate > 1 else mesh[DATA_SHARD]
+        apply_fsdp(module, blocks, fsdp_mesh, zero=self._zero, mixed_precision=mixed_precision_policy(
             str(self.precision_plugin.precision)))
         rank_zero_info(
             f"HybridStrategy: FSDP2 (ZeRO-{self._zero}) over {len(blocks)} blocks of '{blocks_path}', mesh"
@@ -281,7 +283,7 @@ class HybridStrategy(ModelParallelStrategy):
         # Tensor-parallel ranks hold copies of one replica's values: reducing over WORLD would count each replica
         # tp times, which a "sum" would show. Default to the data-parallel group.
         if group is None and self._device_mesh is not None:
-            group = self.device_mesh["dp"].get_group()
+            group = self.data_mesh.get_group()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override

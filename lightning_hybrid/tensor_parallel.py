@@ -30,7 +30,6 @@ from fnmatch import fnmatchcase
 from typing import Any, Iterator, Mapping, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -83,9 +82,11 @@ class BlockPlan:
         described: dict[str, str] = {}
         for group in self.groups:
             for name, shard in group.columns.items():
+                if name in self.custom:
+                    continue
                 strided = f" (strided x{shard.split_factor})" if shard.split_factor > 1 else ""
                 described[at + name] = "colwise" + strided
-            described.update({at + name: "rowwise" for name in group.rows})
+            described.update({at + name: "rowwise" for name in group.rows if name not in self.custom})
             described.update({f"{at}{obj}.{attr}" if obj else at + attr: "÷tp" for obj, attr in group.scaled_attributes})
         described.update({at + name: type(style).__name__ for name, style in self.custom.items()})
         return described
@@ -104,7 +105,7 @@ def plan_block(
     ``overrides`` maps block-relative module names (already resolved from user patterns) to a style.
     """
     overrides = dict(overrides or {})
-    _reject_unplannable_modules(block, trace, overrides)
+    _reject_unplannable_modules(block, overrides)
     custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
     roles = _classify(trace, overrides)
     candidates = [
@@ -177,7 +178,7 @@ def _pair_groups(trace: BlockTrace, roles: dict[str, str]) -> Iterator[tuple[lis
         yield sorted(columns, key=order.index), sorted(rows, key=order.index)
 
 
-def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> None:
+def _reject_unplannable_modules(block: nn.Module, overrides: Mapping[str, PlanEntry]) -> None:
     """Matrix-shaped parameters outside nn.Linear cannot be sharded automatically: ask the user what to do."""
     for name, module in block.named_modules():
         if isinstance(module, nn.Linear) or name in overrides:
@@ -351,11 +352,14 @@ def apply_block_plan(block: nn.Module, plan: BlockPlan, mesh: DeviceMesh) -> Non
 
 def _apply_group(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
     for name, shard in group.columns.items():
+        if name in styles:
+            continue  # the user's own ParallelStyle for this layer wins
         if shard.split_factor > 1:
             _shard_strided_column(block.get_submodule(name), mesh, shard.split_factor)
         else:
             styles[name] = ColwiseParallel()
-    styles.update({name: RowwiseParallel() for name in group.rows})
+    for name in group.rows:
+        styles.setdefault(name, RowwiseParallel())
     replaced: dict[int, Any] = {}
     for path, attr in group.scaled_attributes:
         owner = _resolve_owner(block, path, replaced)
@@ -401,26 +405,21 @@ def style_for(entry: PlanEntry) -> ParallelStyle | None:
 
 
 # ------------------------------------------------------------------------------------------------- verification
-def plan_error(reference: nn.Module, sharded: nn.Module, args: tuple, kwargs: dict, group: Any) -> float:
-    """Largest relative difference between the unsharded and sharded block outputs, agreed over ``group``."""
+def plan_error(reference: nn.Module, sharded: nn.Module, args: tuple, kwargs: dict) -> float:
+    """Largest relative difference between the unsharded and sharded block outputs on this rank."""
     with torch.no_grad():
         expected = [t for t in tree_flatten(reference(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
         actual = [t for t in tree_flatten(sharded(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
-    error = torch.tensor(0.0 if len(expected) == len(actual) else float("inf"))
+    if len(expected) != len(actual):
+        return float("inf")
+    error = 0.0
     for want, got in zip(expected, actual):
         got = got.full_tensor() if isinstance(got, DTensor) else got
         if want.shape != got.shape:
-            error = torch.tensor(float("inf"))
-            break
+            return float("inf")
         scale = want.abs().max().clamp_min(1e-12)
-        error = torch.maximum(error, ((want - got).abs().max() / scale).float().cpu().nan_to_num(float("inf")))
-    error = error.to(_collective_device(group))
-    dist.all_reduce(error, op=dist.ReduceOp.MAX, group=group)
-    return float(error)
-
-
-def _collective_device(group: Any) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        error = max(error, float(((want - got).abs().max() / scale).nan_to_num(float("inf"))))
+    return error
 
 
 def tolerance_for(dtype: torch.dtype) -> float:

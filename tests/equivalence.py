@@ -195,7 +195,7 @@ class UserParallelModule(LMLightningModule):
 
         if isinstance(self.model, FSDPModule):
             return  # Lightning calls the hook again for trainer.test()/predict(); it must be idempotent
-        data_mesh = self.device_mesh["dp"]
+        data_mesh = self.trainer.strategy.data_mesh
         blocks = self.model.blocks if hasattr(self.model, "blocks") else self.model.layers
         for block in blocks:
             fully_shard(block, mesh=data_mesh)

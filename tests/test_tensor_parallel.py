@@ -136,7 +136,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _sharded_vs_unsharded(rank: int, port: int, style: str, results: dict) -> None:
+def _sharded_vs_unsharded(rank: int, port: int, style: str, results: dict, tp_plan: dict) -> None:
     """Apply the automatic plan on 2 ranks and measure output/gradient differences against the whole block."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -151,7 +151,7 @@ def _sharded_vs_unsharded(rank: int, port: int, style: str, results: dict) -> No
         root.blocks = nn.ModuleList([block_zoo.build(style)])
         reference = copy.deepcopy(root.blocks[0])
         x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
-        apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan={}, verify=True)
+        plan = apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan=tp_plan, verify=True)
         sharded = root.blocks[0]
         x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
         out_ref, out_tp = reference(x_ref), sharded(x_tp)
@@ -168,15 +168,16 @@ def _sharded_vs_unsharded(rank: int, port: int, style: str, results: dict) -> No
                 input_grad=float((x_tp.grad - x_ref.grad).abs().max() / x_ref.grad.abs().max()),
                 param_grad=grad_error,
                 sharded_params=sharded_params,
+                plan=plan,
             )
     finally:
         dist.destroy_process_group()
 
 
-def _run_two_ranks(style: str) -> dict:
+def _run_two_ranks(style: str, tp_plan: dict | None = None) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_sharded_vs_unsharded, args=(_free_port(), style, results), nprocs=2)
+        mp.spawn(_sharded_vs_unsharded, args=(_free_port(), style, results, tp_plan or {}), nprocs=2)
         return dict(results)
 
 
@@ -188,6 +189,30 @@ def test_applied_plan_matches_unsharded_block_in_output_and_gradients(style: str
     assert results["input_grad"] < 1e-5
     assert results["param_grad"] < 1e-5
     assert results["sharded_params"] >= 3  # something really was sharded
+
+
+@pytest.mark.slow
+def test_user_styles_inside_blocks_win_over_the_automatic_choice() -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    # The up projection sharded with its output gathered again, so the down layer runs whole.
+    tp_plan = {"blocks.*.mlp.up": ColwiseParallel(output_layouts=Replicate()), "blocks.*.mlp.down": "replicate"}
+    results = _run_two_ranks("timm", tp_plan)
+    assert results["plan"]["blocks.*.mlp.up"] == "ColwiseParallel"
+    assert "blocks.*.mlp.down" not in results["plan"]
+    assert results["plan"]["blocks.*.attn.qkv"] == "colwise (strided x3)"
+    assert results["output"] < 1e-5 and results["param_grad"] < 1e-5
+
+
+@pytest.mark.slow
+def test_wrong_user_style_is_caught_by_the_check() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    # Sharded output fed to a whole down layer: the check must refuse it and name the user's layer.
+    tp_plan = {"blocks.*.mlp.up": ColwiseParallel(), "blocks.*.mlp.down": "replicate"}
+    with pytest.raises(Exception, match=r"full plan changes the block's output.*'mlp.up'"):
+        _run_two_ranks("timm", tp_plan)
 
 
 @pytest.mark.slow
@@ -237,3 +262,11 @@ def test_plan_entries_inside_blocks_must_cover_every_block() -> None:
     assert _per_block_overrides(overrides, "blocks", 2) == {"attn.qkv": "replicate"}
     with pytest.raises(ValueError, match=r"must treat every block alike.*'blocks\.\*\.attn\.qkv'"):
         _per_block_overrides({"blocks.1.attn.qkv": "replicate"}, "blocks", 2)
+
+
+def test_tp_not_dividing_kv_heads_names_the_key_projection() -> None:
+    config = LlamaConfig()  # 4 query heads, 2 key/value heads
+    block = LlamaBlock(config)
+    rope = rope_tables(8, config.dim // config.n_heads, config.rope_theta)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the layout of 'attention.wk'.*2 × 8"):
+        _first_choice(block, torch.randn(2, 8, config.dim), rope, tp=4)
