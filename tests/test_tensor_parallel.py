@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from datetime import timedelta
 import socket
 
 import pytest
@@ -139,7 +140,7 @@ def _free_port() -> int:
 def _sharded_vs_unsharded(rank: int, port: int, style: str, results: dict, tp_plan: dict) -> None:
     """Apply the automatic plan on 2 ranks and measure output/gradient differences against the whole block."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor
@@ -171,7 +172,13 @@ def _sharded_vs_unsharded(rank: int, port: int, style: str, results: dict, tp_pl
                 plan=plan,
             )
     finally:
-        dist.destroy_process_group()
+        _shut_down()
+
+
+def _shut_down() -> None:
+    # Both ranks leave together: a rank tearing gloo down while its peer still talks aborts the process.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _run_two_ranks(style: str, tp_plan: dict | None = None) -> dict:
@@ -225,7 +232,7 @@ def test_plan_that_changes_the_output_is_refused_with_the_fix() -> None:
 def _plan_on_meta(rank: int, port: int, style: str, results: dict) -> None:
     """Plan and check a block that only exists on the meta device (the check materializes a copy of it)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -240,7 +247,7 @@ def _plan_on_meta(rank: int, port: int, style: str, results: dict) -> None:
         if rank == 0:
             results.update(plan=plan, still_meta=all(p.is_meta for p in root.blocks.parameters()))
     finally:
-        dist.destroy_process_group()
+        _shut_down()
 
 
 @pytest.mark.slow
