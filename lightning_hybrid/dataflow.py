@@ -15,8 +15,9 @@ Example::
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -59,6 +60,10 @@ class BlockTrace:
     linears: dict[str, LinearUse] = field(default_factory=dict)
     output_sources: frozenset[str] = frozenset()
     cuts: list[FeatureCut] = field(default_factory=list)
+    #: ``(holder path, attribute)`` read during the forward, for holders from :func:`attribute_holders`.
+    attribute_reads: set[tuple[str, str]] = field(default_factory=set)
+    #: Holders whose reads could not be observed (their class cannot be swapped); treat every attribute as read.
+    unobserved: set[str] = field(default_factory=set)
 
     def consumers(self, name: str) -> list[str]:
         """Linear layers whose input is computed from ``name``'s output (``"output"`` if the block output is)."""
@@ -128,14 +133,58 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
         if isinstance(module, nn.Linear):
             hooks.append(module.register_forward_pre_hook(before_linear))
             hooks.append(module.register_forward_hook(after_linear))
+    holders = list(attribute_holders(block))
+    reads: set[tuple[int, str]] = set()
     try:
-        with torch.no_grad(), tracker:
+        with torch.no_grad(), tracker, _recording_reads([obj for _, obj in holders], reads) as unobserved:
             output = block(*args, **kwargs)
         trace.output_sources = tracker.sources_of(output)
     finally:
         for hook in hooks:
             hook.remove()
+    for path, obj in holders:
+        trace.attribute_reads |= {(path, attr) for holder, attr in reads if holder == id(obj)}
+        if id(obj) in unobserved:
+            trace.unobserved.add(path)
     return trace
+
+
+def attribute_holders(block: nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(path, object)`` of the block's user-defined modules and of the plain config objects they hold: where the
+    integer attributes a forward reshapes with (head counts, widths) live. torch's own modules are skipped: their
+    attributes (``in_features`` ...) describe parameters, which sharding already changes."""
+    for name, module in block.named_modules():
+        if type(module).__module__.startswith("torch."):
+            continue
+        yield name, module
+        for attr, value in vars(module).items():
+            if hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor, type)) and not callable(value):
+                yield (f"{name}.{attr}" if name else attr), value
+
+
+@contextmanager
+def _recording_reads(objects: list[Any], reads: set[tuple[int, str]]) -> Iterator[set[int]]:
+    """Record ``(id(object), attribute)`` for every attribute read on ``objects`` by swapping in a subclass whose
+    ``__getattribute__`` notes the name; yields the ids of objects whose class could not be swapped."""
+    swapped, unobserved = [], set()
+    for obj in {id(o): o for o in objects}.values():
+        original = type(obj)
+
+        def note(self: Any, name: str, _original: type = original) -> Any:
+            reads.add((id(self), name))
+            return _original.__getattribute__(self, name)
+
+        try:
+            obj.__class__ = type(original.__name__, (original,), {"__getattribute__": note})
+        except TypeError:  # built-in types such as SimpleNamespace
+            unobserved.add(id(obj))
+            continue
+        swapped.append((obj, original))
+    try:
+        yield unobserved
+    finally:
+        for obj, original in swapped:
+            obj.__class__ = original
 
 
 def _feature_cut(func: Any, tensor: torch.Tensor, out: Any, source: str, trace: BlockTrace) -> FeatureCut | None:

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_flatten
 
-from lightning_hybrid.dataflow import BlockTrace
+from lightning_hybrid.dataflow import BlockTrace, attribute_holders
 
 PlanEntry = Union[str, ParallelStyle]
 _STYLE_NAMES = ("colwise", "rowwise", "replicate")
@@ -207,7 +207,7 @@ def _group_candidates(
         for split, scaled_values, kept_values in choice:
             scaled |= scaled_values
             kept |= kept_values
-        likely, doubtful = _attributes_to_scale(block, owner, scaled, kept)
+        likely, doubtful = _attributes_to_scale(trace, owner, scaled, kept, block)
         for subset in _subsets(likely, doubtful):
             groups.append(PairGroup(columns_map, rows, owner, list(subset)))
     return groups[:_MAX_TRIALS]
@@ -267,37 +267,22 @@ def _common_owner(names: list[str]) -> str:
 
 
 def _attributes_to_scale(
-    block: nn.Module, owner: str, scaled: set[int], kept: set[int]
+    trace: BlockTrace, owner: str, scaled: set[int], kept: set[int], block: nn.Module
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Integer attributes under ``owner`` whose value equals a size that becomes per-rank.
+    """Integer attributes under ``owner``, read by the forward, whose value equals a size that becomes per-rank.
 
     A value match is only a hint (a group count can equal a head count), so the caller tries subsets; attributes
     whose value also equals a size that stays (e.g. the head size) are the doubtful ones.
     """
     likely, doubtful = [], []
-    for path, attr, value in _integer_attributes(block.get_submodule(owner), owner):
-        if value in scaled:
-            (doubtful if value in kept else likely).append((path, attr))
+    for path, holder in attribute_holders(block):
+        if owner and path != owner and not path.startswith(owner + "."):
+            continue
+        for attr, value in vars(holder).items():
+            read = (path, attr) in trace.attribute_reads or path in trace.unobserved
+            if type(value) is int and read and value in scaled:
+                (doubtful if value in kept else likely).append((path, attr))
     return likely, doubtful
-
-
-def _integer_attributes(module: nn.Module, prefix: str) -> Iterator[tuple[str, str, int]]:
-    """Integer attributes of user-defined modules under ``module``, and of plain config objects they hold."""
-    for name, sub in module.named_modules():
-        if type(sub).__module__.startswith("torch."):
-            continue  # nn.Linear.out_features and friends describe parameters, which sharding already changes
-        path = ".".join(p for p in (prefix, name) if p)
-        for attr, value in vars(sub).items():
-            if type(value) is int:
-                yield path, attr, value
-            elif _is_config(value):
-                for field_name, field_value in vars(value).items():
-                    if type(field_value) is int:
-                        yield f"{path}.{attr}" if path else attr, field_name, field_value
-
-
-def _is_config(value: Any) -> bool:
-    return hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor, type)) and not callable(value)
 
 
 def _subsets(likely: list[tuple[str, str]], doubtful: list[tuple[str, str]]) -> Iterator[tuple[tuple[str, str], ...]]:
@@ -407,9 +392,13 @@ def style_for(entry: PlanEntry) -> ParallelStyle | None:
 # ------------------------------------------------------------------------------------------------- verification
 def plan_error(reference: nn.Module, sharded: nn.Module, args: tuple, kwargs: dict) -> float:
     """Largest relative difference between the unsharded and sharded block outputs on this rank."""
-    with torch.no_grad():
-        expected = [t for t in tree_flatten(reference(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
-        actual = [t for t in tree_flatten(sharded(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+    def run(block: nn.Module) -> list[torch.Tensor]:
+        # Fresh copies per run: blocks may update state they are handed (e.g. a key/value cache).
+        call_args, call_kwargs = copy.deepcopy((args, kwargs))
+        with torch.no_grad():
+            return [t for t in tree_flatten(block(*call_args, **call_kwargs))[0] if isinstance(t, torch.Tensor)]
+
+    expected, actual = run(reference), run(sharded)
     if len(expected) != len(actual):
         return float("inf")
     error = 0.0

@@ -277,3 +277,76 @@ def test_tp_not_dividing_kv_heads_names_the_key_projection() -> None:
     rope = rope_tables(8, config.dim // config.n_heads, config.rope_theta)
     with pytest.raises(ValueError, match=r"tp=4 does not divide the layout of 'attention.wk'.*2 × 8"):
         _first_choice(block, torch.randn(2, 8, config.dim), rope, tp=4)
+
+
+# ------------------------------------------------------------------------------- third-party code, unmodified
+def _hugging_face_model(name: str) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, num_hidden_layers=2, use_cache=False)
+    if name == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, **common)
+        return transformers.LlamaForCausalLM(config)
+    if name == "qwen2":  # q/k/v projections with bias
+        config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, **common)
+        return transformers.Qwen2ForCausalLM(config)
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16, **common)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _hugging_face_vs_unsharded(rank: int, port: int, name: str, tp_plan: dict, results: dict) -> None:
+    """Shard a whole Hugging Face model's blocks on 2 ranks; compare logits and gradients with the original."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+
+        from lightning_hybrid.blocks import capture_block_call, find_block_list
+        from lightning_hybrid.parallelize import apply_tensor_parallel
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        model = _hugging_face_model(name)
+        reference = copy.deepcopy(model)
+        idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        path, blocks = find_block_list(model)
+        call = capture_block_call(blocks[0], lambda: model(idx))
+        plan = apply_tensor_parallel(model, path, blocks, call, mesh, tp_plan=tp_plan, verify=True)
+        out_ref, out_tp = reference(idx).logits, model(idx).logits
+        out_ref.square().mean().backward()
+        out_tp.square().mean().backward()
+        grad_error = 0.0
+        for (_, p_ref), (_, p_tp) in zip(reference.named_parameters(), model.named_parameters()):
+            grad = p_tp.grad.full_tensor() if isinstance(p_tp.grad, DTensor) else p_tp.grad
+            grad_error = max(grad_error, float((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max()))
+        if rank == 0:
+            results.update(plan=plan, output=float((out_tp - out_ref).detach().abs().max() / out_ref.abs().max()),
+                           param_grad=grad_error)
+    finally:
+        _shut_down()
+
+
+def _run_hugging_face(name: str, tp_plan: dict | None = None) -> dict:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_hugging_face_vs_unsharded, args=(_free_port(), name, tp_plan or {}, results), nprocs=2)
+        return dict(results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_hugging_face_models_are_planned_unmodified(name: str) -> None:
+    results = _run_hugging_face(name)
+    plan = results["plan"]
+    assert [plan[f"model.layers.*.self_attn.{p}_proj"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+    assert [plan[f"model.layers.*.mlp.{p}_proj"] for p in ("gate", "up", "down")] == ["colwise"] * 2 + ["rowwise"]
+    assert results["output"] < 1e-5 and results["param_grad"] < 1e-5
+
+
+@pytest.mark.slow
+def test_gpt2_conv1d_layers_are_refused_with_the_entries_to_add() -> None:
+    with pytest.raises(Exception, match=r"cannot shard Conv1D 'attn.c_attn'.*tp_plan=\{'\*\.attn\.c_attn': 'replicate'\}"):
+        _run_hugging_face("gpt2")
