@@ -22,11 +22,18 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.optim import Optimizer
 
 from lightning_hybrid.mesh import TENSOR
 
@@ -106,7 +113,23 @@ class _Pieces(torch.Tensor):
 
 
 def _piecewise(tensor: DTensor) -> DTensor:
-    mesh_dim, stride = _tensor_parallel_stride(tensor)  # type: ignore[misc]
+    _, stride = _tensor_parallel_stride(tensor)  # type: ignore[misc]
+    local = tensor.to_local()
+    view = local.as_subclass(_Pieces)
+    view.chunks = local_chunks(tensor)
+    view.pieces = list(local.detach().split(view.chunks[0].sizes[stride.dim], dim=stride.dim))
+    view.global_size = tensor.shape
+    return DTensor(view, tensor._spec, requires_grad=False)
+
+
+def local_chunks(tensor: DTensor) -> list[ChunkStorageMetadata]:
+    """The boxes of the global tensor that this rank's local tensor holds, in local order (one box unless the
+    tensor-parallel placement is strided, then one per piece)."""
+    strided = _tensor_parallel_stride(tensor)
+    if strided is None:
+        sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))]
+    mesh_dim, stride = strided
     # The box this rank would hold if the tensor-parallel dimension were replicated (data sharding only) ...
     placements = list(tensor.placements)
     placements[mesh_dim] = Replicate()
@@ -116,14 +139,58 @@ def _piecewise(tensor: DTensor) -> DTensor:
     ranks, rank = tensor.device_mesh.size(mesh_dim), tensor.device_mesh.get_local_rank(mesh_dim)
     piece_length = tensor.shape[dim] // factor
     local_length = piece_length // ranks
-    local = tensor.to_local()
-    view = local.as_subclass(_Pieces)
-    view.pieces = list(local.detach().split(local_length, dim=dim))
-    view.chunks = []
+    chunks = []
     for piece in range(factor):
         chunk_offsets, chunk_sizes = list(offsets), list(sizes)
         chunk_offsets[dim] = piece * piece_length + rank * local_length
         chunk_sizes[dim] = local_length
-        view.chunks.append(ChunkStorageMetadata(offsets=torch.Size(chunk_offsets), sizes=torch.Size(chunk_sizes)))
-    view.global_size = tensor.shape
-    return DTensor(view, tensor._spec, requires_grad=False)
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(chunk_offsets), sizes=torch.Size(chunk_sizes)))
+    return chunks
+
+
+def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Write this rank's part of the global tensor ``full`` into ``target`` (a DTensor or a plain tensor).
+
+    torch's full-state-dict loaders cut one box per rank, which is wrong for strided tensor-parallel placements.
+    """
+    if not isinstance(target, DTensor):
+        target.copy_(full)
+        return
+    chunks = local_chunks(target)
+    parts = [full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] for c in chunks]
+    strided = _tensor_parallel_stride(target)
+    local = torch.cat(parts, dim=strided[1].dim) if strided else parts[0]
+    target.to_local().copy_(local)
+
+
+def load_full(model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], strict: bool) -> None:
+    """Load a consolidated Lightning checkpoint (``save_distributed_checkpoint=False``) into the sharded model and
+    optimizers, in place."""
+    model_state = get_model_state_dict(model)
+    saved = checkpoint.pop("state_dict")
+    missing, unexpected = model_state.keys() - saved.keys(), saved.keys() - model_state.keys()
+    if strict and (missing or unexpected):
+        raise KeyError(f"Checkpoint does not match the model: missing keys {sorted(missing)}, unexpected keys"
+                       f" {sorted(unexpected)}.")
+    with torch.no_grad():
+        for name in model_state.keys() & saved.keys():
+            copy_full_into(model_state[name], saved[name].to(model_state[name].device))
+    for optimizer, saved_state in zip(optimizers, checkpoint.pop("optimizer_states", [])):
+        state = get_optimizer_state_dict(model, optimizer)
+        _fill_optimizer_state(state, saved_state)
+        set_optimizer_state_dict(model, optimizer, state)
+
+
+def _fill_optimizer_state(state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Copy an optimizer state saved with parameter indices (Lightning's full format) into a state keyed by
+    parameter names; groups list their parameters in the same order in both."""
+    for group, saved_group in zip(state["param_groups"], saved["param_groups"]):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
+        for name, index in zip(group["params"], saved_group["params"]):
+            for key, value in saved["state"].get(index, {}).items():
+                target = state["state"][name][key]
+                if isinstance(target, torch.Tensor):
+                    with torch.no_grad():
+                        copy_full_into(target, value.to(target.device))
+                else:
+                    state["state"][name][key] = value

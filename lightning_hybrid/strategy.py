@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from typing_extensions import override
 
-from lightning_hybrid.checkpoint import load_sharded, save_sharded
+from lightning_hybrid.checkpoint import load_full, load_sharded, save_sharded
 from lightning_hybrid.blocks import capture_block_call, find_block_list
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims, check_degrees
 from lightning_hybrid.parallelize import apply_tensor_parallel
@@ -262,9 +262,11 @@ class HybridStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        if not _is_sharded_checkpoint(path):
-            return super().load_checkpoint(path, weights_only)
         assert self.model is not None and self.lightning_module is not None
+        if not _is_sharded_checkpoint(path):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+            load_full(self.model, self.optimizers, checkpoint, strict=self.lightning_module.strict_loading)
+            return checkpoint
         module_state = {"state_dict": get_model_state_dict(self.model)}
         load_sharded(module_state, path)
         self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)

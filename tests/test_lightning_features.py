@@ -7,6 +7,7 @@ numbers as single-process Lightning doing the same thing".
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,19 +20,25 @@ pytestmark = pytest.mark.slow
 DP2_TP2 = ["--dp", 2, "--tp", 2, "--devices", 4]
 
 
-def test_resume_from_sharded_checkpoint_matches_single_process_resume(tmp_path: Path) -> None:
-    # Save a sharded (DCP) checkpoint at the end of epoch 0 (step 4 of 6), then resume in a new process group.
-    run_script(["--model", "gpt", *DP2_TP2, "--checkpoint-dir", tmp_path / "hybrid", "--out", tmp_path / "a.pt"])
+@pytest.mark.parametrize("distributed", [True, False], ids=["sharded", "consolidated"])
+def test_resume_matches_single_process_resume(distributed: bool, tmp_path: Path) -> None:
+    # Save a checkpoint at the end of epoch 0 (step 4 of 6), then resume in a new process group. Sharded: one DCP
+    # shard per rank; consolidated: one file written by rank 0 (save_distributed_checkpoint=False).
+    layout = [*DP2_TP2, "--strategy-kwargs", json.dumps({"save_distributed_checkpoint": distributed})]
+    run_script(["--model", "gpt", *layout, "--checkpoint-dir", tmp_path / "hybrid", "--out", tmp_path / "a.pt"])
     run_script(["--model", "gpt", "--reference", "--dp", 2, "--checkpoint-dir", tmp_path / "single",
                 "--out", tmp_path / "ra.pt"])
     hybrid_ckpt = tmp_path / "hybrid" / "epoch=0-step=4.ckpt"
-    assert sorted(p.suffix for p in hybrid_ckpt.iterdir()).count(".distcp") == 4  # one shard file per rank
-    resumed = run_script(["--model", "gpt", *DP2_TP2, "--ckpt-path", hybrid_ckpt, "--out", tmp_path / "b.pt"])
+    if distributed:
+        assert sorted(p.suffix for p in hybrid_ckpt.iterdir()).count(".distcp") == 4  # one shard file per rank
+    else:
+        assert hybrid_ckpt.is_file()
+    resumed = run_script(["--model", "gpt", *layout, "--ckpt-path", hybrid_ckpt, "--out", tmp_path / "b.pt"])
     single = run_script(["--model", "gpt", "--reference", "--dp", 2,
                          "--ckpt-path", tmp_path / "single" / "epoch=0-step=4.ckpt", "--out", tmp_path / "rb.pt"])
     assert len(resumed["losses"]) == 4  # steps 5 and 6, two micro-batches each
-    # Parameters, AdamW moments, step counts, learning rate and scheduler must all come back: any one missing
-    # changes the first update after the resume.
+    # Parameters (whole heads of the fused qkv included), AdamW moments, step counts, learning rate and scheduler
+    # must all come back: any one missing changes the first update after the resume.
     assert_equivalent(single, resumed, rtol=1e-5)
 
 
