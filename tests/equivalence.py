@@ -38,6 +38,8 @@ What is saved (``torch.save`` on global rank 0)
                   optimizer step), read from ``trainer.callback_metrics`` in ``on_train_batch_end``. On a
                   parallel run this is the ``sync_dist`` mean over all ranks. This is the value compared: it is
                   stricter than a per-step value because each micro-batch's forward is checked on its own.
+``tokens``        per micro-batch, the ``reduce_fx="sum"`` metric of tokens seen: the global batch's token count
+                  if metrics are reduced over data-parallel ranks only (tensor-parallel copies not counted twice).
 ``step_losses``   per optimizer step, the mean of its micro-batch losses (what the accumulated gradient
                   corresponds to); derived from ``losses``, saved for reports.
 ``val_losses``    the epoch-level ``val_loss`` of every validation run (one, after the first epoch).
@@ -135,6 +137,7 @@ class RecordCallback(pl.Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.tokens: list[float] = []
         self.val_losses: list[float] = []
         self.params: dict[str, Tensor] = {}
         self.replica_max_abs_diff: float = 0.0
@@ -153,6 +156,7 @@ class RecordCallback(pl.Callback):
         # ``callback_metrics`` recomputes from the live results, so it already holds this batch's on_step value,
         # reduced over ranks at log time because of ``sync_dist=True``.
         self.losses.append(self._scalar(trainer.callback_metrics["train_loss"]))
+        self.tokens.append(self._scalar(trainer.callback_metrics["tokens"]))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -355,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         wall_s = time.perf_counter() - start
         result = {
             "losses": recorder.losses,
+            "tokens": recorder.tokens,
             "step_losses": step_losses,
             "val_losses": recorder.val_losses,
             "params": recorder.params,

@@ -147,6 +147,8 @@ def assert_equivalent(ref: dict[str, Any], par: dict[str, Any], rtol: float = 1e
     if not report["loss_max_rel"] <= rtol:
         pairs = ", ".join(f"{a:.7f}/{b:.7f}" for a, b in zip(ref["losses"], par["losses"]))
         problems.append(f"train losses differ by {report['loss_max_rel']:.3e} (ref/par: {pairs})")
+    if ref.get("tokens") != par.get("tokens"):
+        problems.append(f"summed metric 'tokens' differs: {ref.get('tokens')} vs {par.get('tokens')}")
     if "test_loss" in ref and not abs(ref["test_loss"] - par["test_loss"]) <= rtol * abs(ref["test_loss"]):
         problems.append(f"test losses differ: {ref['test_loss']} vs {par['test_loss']}")
     if not report["val_loss_max_rel"] <= rtol:

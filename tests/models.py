@@ -369,6 +369,8 @@ class LMLightningModule(pl.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, sync_dist=True, on_step=True)
+        # A summed metric: over data-parallel ranks it must add up to the global batch, whatever tp/pp are.
+        self.log("tokens", float(batch[1].numel()), sync_dist=True, on_step=True, reduce_fx="sum")
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:

@@ -12,7 +12,6 @@ the one Lightning's injected ``DistributedSampler`` produces, and the comparison
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +55,6 @@ class Layout:
         ]
 
 
-# Add pipeline layouts here once HybridStrategy supports pp > 1.
 LAYOUTS = [
     Layout("dp2", devices=2, dp=2),
     Layout("tp2", devices=2, tp=2),
@@ -66,18 +64,6 @@ LAYOUTS = [
 ]
 
 
-def _require_hybrid_strategy() -> None:
-    """Skip while ``lightning_hybrid.HybridStrategy`` does not exist yet; a broken import still fails."""
-    try:
-        module = importlib.import_module("lightning_hybrid")
-    except ModuleNotFoundError as error:
-        if error.name != "lightning_hybrid":
-            raise
-        pytest.skip("lightning_hybrid is not importable")
-    if getattr(module, "HybridStrategy", None) is None:
-        pytest.skip("lightning_hybrid.HybridStrategy is not implemented yet")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The equivalence tests (multi-process, slow)
 # ----------------------------------------------------------------------------------------------------------------
@@ -85,7 +71,6 @@ def _require_hybrid_strategy() -> None:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_layout_matches_reference(model: str, layout: Layout, reference_run: ReferenceFn, tmp_path: Path) -> None:
-    _require_hybrid_strategy()
     reference = reference_run(model, layout.dp_size)
     parallel = run_script(["--model", model, *layout.script_args(), "--out", tmp_path / "parallel.pt"])
     print(f"{model}/{layout.name}: reference {reference['run_s']:.1f}s, parallel {parallel['run_s']:.1f}s")
