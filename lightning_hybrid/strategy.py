@@ -202,18 +202,18 @@ class HybridStrategy(ModelParallelStrategy):
         """Run the user's step on the first batch (the block pre-hook stops it) so the first block's inputs show."""
         module = self.lightning_module
         assert module is not None
-        batch = _first_batch(trainer)
+        loop, step_name = {
+            TrainerFn.FITTING: (trainer.fit_loop, "training_step"),
+            TrainerFn.VALIDATING: (trainer.validate_loop, "validation_step"),
+            TrainerFn.TESTING: (trainer.test_loop, "test_step"),
+            TrainerFn.PREDICTING: (trainer.predict_loop, "predict_step"),
+        }[trainer.state.fn]
+        batch = _first_batch(loop._data_source.dataloader())
         if any(p.is_meta for p in module.parameters()):
             batch = tree_map(lambda v: v.to("meta") if isinstance(v, Tensor) else v, batch)
         else:
             batch = module._apply_batch_transfer_handler(batch, self.root_device)
-        step = {
-            TrainerFn.FITTING: module.training_step,
-            TrainerFn.VALIDATING: module.validation_step,
-            TrainerFn.TESTING: module.test_step,
-            TrainerFn.PREDICTING: module.predict_step,
-        }[trainer.state.fn]
-        step(batch, 0)
+        getattr(module, step_name)(batch, 0)
 
     # -------------------------------------------------------------------------------------------- steps
     # FSDP2 hooks the root's __call__; Lightning calls training_step directly, so route steps through __call__.
@@ -318,14 +318,8 @@ def _already_parallel(module: torch.nn.Module) -> bool:
     )
 
 
-def _first_batch(trainer: Trainer) -> Any:
-    loop = {
-        TrainerFn.FITTING: trainer.fit_loop,
-        TrainerFn.VALIDATING: trainer.validate_loop,
-        TrainerFn.TESTING: trainer.test_loop,
-        TrainerFn.PREDICTING: trainer.predict_loop,
-    }[trainer.state.fn]
-    loaders = loop._data_source.dataloader()
+def _first_batch(loaders: Any) -> Any:
+    """The first batch of the first dataloader (Lightning allows lists and dicts of them)."""
     loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
     if isinstance(loader, Mapping):
         loader = next(iter(loader.values()))
