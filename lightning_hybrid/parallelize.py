@@ -55,7 +55,8 @@ def apply_tensor_parallel(
     in_block = _per_block_overrides(overrides, blocks_path, len(blocks))
     outside = {name: entry for name, entry in overrides.items() if not name.startswith(blocks_path + ".")}
 
-    with torch.random.fork_rng(devices=[]):  # planning must not shift the user's random stream
+    accelerator_rng = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
+    with torch.random.fork_rng(devices=accelerator_rng):  # planning must not shift the user's random streams
         reference = _reference_copy(blocks[0], mesh)
         args, kwargs = _check_inputs(block_call, reference, mesh)
         was_training = reference.training
