@@ -4,7 +4,8 @@ Tensor-parallel planning needs to know, for every ``nn.Linear`` in a block, *whi
 from, and how the features of its output are cut up afterwards (split into q/k/v, reshaped into heads). Module
 names cannot tell us that reliably; running the block once can. :func:`trace_block` runs the block's forward under
 a :class:`~torch.overrides.TorchFunctionMode` that labels every tensor with its *nearest sources*: the linear layers
-(or block arguments) it was computed from without passing through another linear layer.
+(or block arguments) it was computed from without passing through another linear layer. It also notes which
+attributes of the block's own modules (and their config objects) the forward reads.
 
 Example::
 

@@ -10,14 +10,17 @@ Which layers pair up follows from data flow, so :func:`plan_block` reads it from
 * a column candidate is kept only if everything that consumes its output is row-wise.
 
 Fused projections (q|k|v in one layer) are sharded with torch's strided placement so that each rank gets whole
-heads of q, k *and* v; integer attributes the forward uses to reshape (head counts, widths) are set to their
-per-rank values. The plan then proves itself: one block runs unsharded and sharded on the same input and the
-outputs must agree (:func:`verify_plan`); ambiguous choices are settled by that check.
+heads of q, k *and* v; integer attributes the forward reads to reshape (head counts, widths) are set to their
+per-rank values. Where the trace leaves a choice open (which factor of a reshape is the head count, whether a value
+that matches a head count is one), :func:`plan_block` lists the candidates and the caller keeps the first whose
+sharded block computes what the unsharded one does (:func:`plan_error`, driven by
+:func:`lightning_hybrid.parallelize.apply_tensor_parallel`).
 
 Example::
 
-    plan = plan_block(block, trace, tp_size=2)
-    print(plan.describe("model.blocks.*"))      # {"model.blocks.*.attn.qkv": "colwise(strided x3)", ...}
+    custom, candidates = plan_block(block, trace_block(block, args, kwargs), tp_size=2)
+    plan = BlockPlan(groups=[options[0] for options in candidates], custom=custom)
+    print(plan.describe("model.blocks.*"))      # {"model.blocks.*.attn.qkv": "colwise (strided x3)", ...}
     apply_block_plan(block, plan, mesh["tp"])
 """
 
