@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -108,6 +109,7 @@ class _SourceTracker(TorchFunctionMode):
 
 def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
     """Run ``block(*args, **kwargs)`` once (without gradients) and record the data flow between its linears."""
+    args, kwargs = copy.deepcopy((args, kwargs))  # the block may update state it is handed (e.g. a key/value cache)
     trace = BlockTrace()
     tracker = _SourceTracker()
     names = {module: name for name, module in block.named_modules()}

@@ -61,7 +61,7 @@ def apply_tensor_parallel(
         args, kwargs = _check_inputs(block_call, reference, mesh)
         was_training = reference.training
         reference.eval()  # dropout would make the unsharded and sharded outputs differ
-        trace = trace_block(reference, *copy.deepcopy((args, kwargs)))  # the block may update a cache it is given
+        trace = trace_block(reference, args, kwargs)
         custom, candidates = plan_block(reference, trace, mesh.size(), in_block)
         groups = [_settle_group(reference, options, args, kwargs, mesh, verify, blocks_path) for options in candidates]
         plan = BlockPlan(groups=groups, custom=custom)

@@ -264,7 +264,8 @@ class HybridStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
         if not _is_sharded_checkpoint(path):
-            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+            # Memory-mapped: every rank reads only the slices it keeps, not a private copy of the whole file.
+            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
             load_full(self.model, self.optimizers, checkpoint, strict=self.lightning_module.strict_loading)
             return checkpoint
         module_state = {"state_dict": get_model_state_dict(self.model)}
