@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,9 +48,11 @@ def apply_tensor_parallel(
     *,
     tp_plan: Mapping[str, PlanEntry],
     verify: bool,
+    apply_to: Optional[Sequence[nn.Module]] = None,
 ) -> dict[str, str]:
-    """Plan tensor parallelism on the first block, check it, apply it to every block and to ``tp_plan``'s other
-    entries. Returns the applied plan as ``{module name pattern: style}``."""
+    """Plan tensor parallelism on the first block, check it, apply it to every block (or to ``apply_to``, the
+    blocks of this rank's pipeline stages) and to ``tp_plan``'s other entries. Returns the applied plan as
+    ``{module name pattern: style}``."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
     in_block = _per_block_overrides(overrides, blocks_path, len(blocks))
     outside = {name: entry for name, entry in overrides.items() if not name.startswith(blocks_path + ".")}
@@ -69,7 +71,7 @@ def apply_tensor_parallel(
             _verify_whole_plan(reference, plan, args, kwargs, mesh, blocks_path)
     if not groups and not custom:
         log.warning(f"Tensor parallelism found no linear pairs to shard in {type(blocks[0]).__name__}; tp only replicates.")
-    for block in blocks:
+    for block in blocks if apply_to is None else apply_to:
         apply_block_plan(block, plan, mesh)
         block.train(was_training)
     for name, entry in outside.items():

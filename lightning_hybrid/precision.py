@@ -19,10 +19,12 @@ and combines them.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -30,14 +32,20 @@ from torch.optim import Optimizer
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pipeline_group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
     """Clip gradients in place to a total ``norm_type`` norm of ``max_norm``; returns the total norm.
 
     Works when parameters are spread over several device meshes (and plain tensors): the per-mesh norms are
-    computed by DTensor, which reduces over each mesh, and combined here.
+    computed by DTensor, which reduces over each mesh, and combined here. With pipeline stages, each rank holds
+    other parameters, so the norms of all ranks of ``pipeline_group`` are combined too.
     """
     with_grads = [p for p in parameters if p.grad is not None]
-    if not with_grads:
+    if not with_grads and pipeline_group is None:
         return torch.tensor(0.0)
     by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
     for parameter in with_grads:
@@ -47,17 +55,35 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]), ord=norm_type)
+    total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms] or [torch.zeros(())]), ord=norm_type)
+    if pipeline_group is not None:
+        total = _combine_over_stages(total, norm_type, pipeline_group, with_grads)
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
 
 
+def _combine_over_stages(
+    local: torch.Tensor, norm_type: float, group: dist.ProcessGroup, parameters: list[torch.Tensor]
+) -> torch.Tensor:
+    device = parameters[0].device if parameters else local.device
+    if math.isinf(norm_type):
+        combined = local.to(device)
+        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=group)
+        return combined.cpu()
+    powered = local.double().to(device) ** norm_type  # double: the sum must not round differently per stage count
+    dist.all_reduce(powered, group=group)
+    return (powered ** (1.0 / norm_type)).float().cpu()
+
+
 class _MeshClipping:
-    """Mixin: clip by the norm over all meshes instead of Lightning's single-mesh ``clip_grad_norm_``."""
+    """Mixin: clip by the norm over all meshes (and pipeline stages) instead of Lightning's ``clip_grad_norm_``."""
+
+    #: Set by the strategy when pp > 1: the norm adds up over the stages of the pipeline.
+    pipeline_group: Optional[dist.ProcessGroup] = None
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+        clip_grad_norm_(self.main_params(optimizer), clip_val, pipeline_group=self.pipeline_group)  # type: ignore[attr-defined]
 
 
 class HybridPrecision(_MeshClipping, Precision):

@@ -11,7 +11,7 @@ import logging
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -41,21 +41,25 @@ from typing_extensions import override
 
 from lightning_hybrid.checkpoint import load_full, load_sharded, save_sharded
 from lightning_hybrid.blocks import capture_block_call, find_block_list
-from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims, check_degrees
+from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims, check_degrees
 from lightning_hybrid.parallelize import apply_tensor_parallel
+from lightning_hybrid.pipeline import Pipeline, PipelineSchedule, make_shadows, muted_logs
 from lightning_hybrid.precision import HybridHalfPrecision, HybridPrecision, precision_plugin_for
 from lightning_hybrid.sharding import apply_fsdp, check_zero_level, mixed_precision_policy
+from lightning_hybrid.stage_split import plan_split, trace_step
 from lightning_hybrid.tensor_parallel import PlanEntry
 
 log = logging.getLogger(__name__)
 
 
 class HybridStrategy(ModelParallelStrategy):
-    """Data-parallel sharding (FSDP2) × automatic tensor parallelism for a LightningModule written without either.
+    """Data-parallel sharding (FSDP2) × automatic tensor parallelism × pipeline parallelism for a LightningModule
+    written without any of them.
 
     Example::
 
-        trainer = Trainer(accelerator="gpu", devices=8, num_nodes=2, strategy=HybridStrategy(tp=4))
+        trainer = Trainer(accelerator="gpu", devices=8, num_nodes=4, strategy=HybridStrategy(tp=4, pp=8))
+        trainer = Trainer(accelerator="cpu", devices=8, strategy=HybridStrategy(tp=2, pp=2, pp_schedule="gpipe"))
         trainer = Trainer(accelerator="cpu", devices=4, strategy="hybrid")   # dp=4
 
     The device mesh has the named dimensions ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``; the LightningModule
@@ -65,15 +69,23 @@ class HybridStrategy(ModelParallelStrategy):
         dp: Data-parallel sharding degree; ``"auto"`` takes what the world size leaves.
         tp: Tensor-parallel degree. The linear layers of the model's repeated blocks are paired into
             column-/row-parallel layers by how data flows between them; see :mod:`lightning_hybrid.tensor_parallel`.
-        pp: Pipeline-parallel degree (not available yet; must be 1).
+        pp: Pipeline-parallel degree. The block list is cut into ``pp × virtual_stages`` stages balanced by
+            traced FLOPs; modules outside the blocks go with the stage that runs them. The model's own step runs
+            on every stage (see :mod:`lightning_hybrid.pipeline`).
         dp_replicate: Replicas of the sharded model (HSDP): parameters are sharded within a replica and gradients
             all-reduced across replicas.
-        zero: 3 shards parameters between forward and backward too; 2 keeps them gathered for the step
-            (see :mod:`lightning_hybrid.sharding`).
+        zero: 3 (default) shards parameters between forward and backward too; 2 keeps them gathered for the step
+            (see :mod:`lightning_hybrid.sharding`). Zero-bubble pipeline schedules need 2 and default to it.
         tp_plan: ``{module name pattern: "colwise" | "rowwise" | "replicate" | ParallelStyle}``, names from the
             LightningModule (``fnmatch`` patterns, e.g. ``"model.blocks.*.attn.qkv"``). Overrides or completes
             the automatic plan; entries outside the blocks are applied as given.
         blocks: Name of the container of repeated blocks (found automatically when ``None``).
+        pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+            ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"`` (torch's schedules).
+        microbatches: Microbatches per step (each rank's batch is split into this many); default
+            ``pp × virtual_stages``. The batch size must be divisible by it.
+        virtual_stages: Stages per pipeline rank: 1 for ``gpipe``/``1f1b``, default 2 for the others.
+        pp_split: Blocks per stage (``pp × virtual_stages`` numbers), overriding the balanced split.
         verify_tp_plan: Run one block unsharded and sharded at setup and refuse a plan whose outputs differ.
         save_distributed_checkpoint: One DCP shard per rank (``True``) or one consolidated file on rank 0.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
@@ -88,9 +100,13 @@ class HybridStrategy(ModelParallelStrategy):
         tp: int = 1,
         pp: int = 1,
         dp_replicate: int = 1,
-        zero: int = 3,
+        zero: Optional[int] = None,
         tp_plan: Optional[Mapping[str, PlanEntry]] = None,
         blocks: Optional[str] = None,
+        pp_schedule: str = "1f1b",
+        microbatches: Optional[int] = None,
+        virtual_stages: Optional[int] = None,
+        pp_split: Optional[Sequence[int]] = None,
         verify_tp_plan: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -101,12 +117,19 @@ class HybridStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if pp != 1:
-            raise NotImplementedError(f"HybridStrategy(pp={pp}): pipeline parallelism is not available yet; use pp=1.")
         _let_pytorch_lightning_reach_our_message()
         self._degrees = {"dp": dp, "tp": tp, "pp": pp, "dp_replicate": dp_replicate}
         check_degrees(**self._degrees)  # fail fast on bad values; the world size is checked once it is known
-        self._zero = check_zero_level(zero)
+        #: The pipeline schedule (``None`` when pp=1).
+        self.pp_schedule: Optional[PipelineSchedule] = None
+        if pp > 1:
+            self.pp_schedule = PipelineSchedule.resolve(pp_schedule, pp, virtual_stages, microbatches)
+        elif microbatches is not None or virtual_stages is not None or pp_split is not None:
+            raise ValueError("HybridStrategy(microbatches=, virtual_stages=, pp_split=) are pipeline options: set pp > 1.")
+        self._pp_split = pp_split
+        self._zero = check_zero_level(_zero_level(zero, self.pp_schedule))
+        #: This rank's pipeline stages and schedules (``None`` when pp=1); set at setup.
+        self.pipeline: Optional[Pipeline] = None
         self._tp_plan = dict(tp_plan or {})
         self._blocks_path = blocks
         self._verify_tp_plan = verify_tp_plan
@@ -175,7 +198,7 @@ class HybridStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, trainer: Trainer) -> None:
-        """Tensor parallelism, then FSDP2 (see :mod:`lightning_hybrid.parallelize` for why in this order)."""
+        """Pipeline split, then tensor parallelism, then FSDP2 (see :mod:`lightning_hybrid.parallelize` for why)."""
         self._parallelized_here = True
         module = self.lightning_module
         assert module is not None and self.dims is not None
@@ -184,19 +207,57 @@ class HybridStrategy(ModelParallelStrategy):
             module.to(self.root_device)
         blocks_path, blocks = find_block_list(module, self._blocks_path)
         mesh = self.device_mesh
+        owned_blocks = list(blocks)
+        if self.dims.pp > 1:
+            self.pipeline = self._split_into_stages(trainer, module, blocks_path, blocks)
+            owned_blocks = [blocks[i] for stage in self.pipeline.stage_ids for i in self.pipeline.split.block_range(stage)]
         if self.dims.tp > 1 or self._tp_plan:
             block_call = capture_block_call(blocks[0], lambda: self._run_first_step(trainer))
             self.tp_plan_applied = apply_tensor_parallel(
-                module, blocks_path, blocks, block_call, mesh[TENSOR], tp_plan=self._tp_plan, verify=self._verify_tp_plan
+                module, blocks_path, blocks, block_call, mesh[TENSOR], tp_plan=self._tp_plan,
+                verify=self._verify_tp_plan, apply_to=owned_blocks,
             )
             rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={self.dims.tp}): {self.tp_plan_applied}")
         fsdp_mesh = mesh[DATA_DIMS] if self.dims.dp_replicate > 1 else mesh[DATA_SHARD]
-        apply_fsdp(module, blocks, fsdp_mesh, zero=self._zero, mixed_precision=mixed_precision_policy(
-            str(self.precision_plugin.precision)))
+        policy = mixed_precision_policy(str(self.precision_plugin.precision))
+        if self.pipeline is None:
+            apply_fsdp(module, blocks, fsdp_mesh, zero=self._zero, mixed_precision=policy)
+        else:
+            self._shard_stages(blocks, fsdp_mesh, policy)
         rank_zero_info(
             f"HybridStrategy: FSDP2 (ZeRO-{self._zero}) over {len(blocks)} blocks of '{blocks_path}', mesh"
             f" {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}"
         )
+
+    def _split_into_stages(self, trainer: Trainer, module: Any, blocks_path: str, blocks: Any) -> Pipeline:
+        """Trace one step, split it into stages, and keep meta-device stand-ins of every unit."""
+        assert self.pp_schedule is not None
+        if not module.automatic_optimization:
+            raise ValueError(
+                "HybridStrategy(pp > 1) runs forward and backward of all microbatches inside the pipeline schedule,"
+                " so it needs automatic optimization; manual_backward() cannot be pipelined. Set"
+                " self.automatic_optimization = True or use pp=1."
+            )
+        trace = trace_step(module, blocks, lambda: self._run_first_step(trainer))
+        split = plan_split(module, blocks_path, blocks, trace, self.pp_schedule.num_stages, self._pp_split)
+        rank_zero_info(
+            f"HybridStrategy: pipeline {self.pp_schedule.name} over {split.num_stages} stages, blocks per stage"
+            f" {split.blocks_per_stage}, {self.pp_schedule.microbatches} microbatches"
+        )
+        compute_dtype = mixed_precision_policy(str(self.precision_plugin.precision)).param_dtype
+        shadows = make_shadows(module, split, compute_dtype)
+        return Pipeline(module, split, self.pp_schedule, self.device_mesh[PIPELINE], self.root_device, shadows)
+
+    def _shard_stages(self, blocks: Any, fsdp_mesh: DeviceMesh, policy: Any) -> None:
+        """FSDP2 per block of each local stage, each stage module the root of its own units."""
+        assert self.pipeline is not None
+        owned = self.pipeline.install()
+        self.pipeline.finish(owned)
+        for stage, stage_module in self.pipeline.stage_modules.items():
+            stage_blocks = [blocks[i] for i in self.pipeline.split.block_range(stage)]
+            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, zero=self._zero, mixed_precision=policy)
+        self.pipeline.route_units()
+        self.precision_plugin.pipeline_group = self.device_mesh[PIPELINE].get_group()  # type: ignore[attr-defined]
 
     def _run_first_step(self, trainer: Trainer) -> None:
         """Run the user's step on the first batch (the block pre-hook stops it) so the first block's inputs show."""
@@ -213,7 +274,8 @@ class HybridStrategy(ModelParallelStrategy):
             batch = tree_map(lambda v: v.to("meta") if isinstance(v, Tensor) else v, batch)
         else:
             batch = module._apply_batch_transfer_handler(batch, self.root_device)
-        getattr(module, step_name)(batch, 0)
+        with muted_logs(module):
+            getattr(module, step_name)(batch, 0)
 
     # -------------------------------------------------------------------------------------------- steps
     # FSDP2 hooks the root's __call__; Lightning calls training_step directly, so route steps through __call__.
@@ -240,9 +302,25 @@ class HybridStrategy(ModelParallelStrategy):
     def _through_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None
+        if self.pipeline is not None:
+            return self.pipeline.run_step(method, *args, **kwargs)
         if isinstance(module, FSDPModule):
             return self._forward_redirection(module, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule already ran every microbatch's backward inside training_step; Lightning's zero_grad came
+        # after that, so the step's gradients are added now, where loss.backward() would have put them.
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.pipeline.add_step_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     # ------------------------------------------------------------------------------------------- checkpoints
     @override
@@ -310,6 +388,19 @@ def _let_pytorch_lightning_reach_our_message() -> None:
     standalone = sys.modules.get("pytorch_lightning.strategies")
     if standalone is not None:
         standalone.Strategy.register(HybridStrategy)
+
+
+def _zero_level(zero: Optional[int], schedule: Optional[PipelineSchedule]) -> object:
+    if schedule is None or not schedule.splits_weight_gradients:
+        return 3 if zero is None else zero
+    if zero == 3:
+        # torch computes a zero-bubble weight gradient against the parameters the module holds at that time; under
+        # ZeRO-3 those are the resharded ones, not the gathered ones the forward used, and gradients come out wrong.
+        raise ValueError(
+            f"pp_schedule={schedule.name!r} computes weight gradients in a separate pass after backward, which"
+            " needs parameters to stay gathered from forward to backward: use zero=2 (its default)."
+        )
+    return 2 if zero is None else zero
 
 
 def _already_parallel(module: torch.nn.Module) -> bool:

@@ -80,6 +80,7 @@ from tests.models import (  # noqa: E402
     MODEL_NAMES,
     LMLightningModule,
     RandomTokenDataset,
+    LAYERS_FIELD,
     build_module,
     default_config,
 )
@@ -242,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=64, help="training sequences")
     parser.add_argument("--num-val-samples", type=int, default=16, help="validation sequences")
     parser.add_argument("--seed", type=int, default=42, help="model initialisation seed")
+    parser.add_argument("--layers", type=int, default=None, help="number of blocks (the model's default if unset)")
     parser.add_argument("--precision", default="32-true", help="Lightning precision flag")
     parser.add_argument("--gradient-clip-val", type=float, default=GRADIENT_CLIP_VAL)
     parser.add_argument("--checkpoint-dir", type=Path, help="save a sharded checkpoint at every epoch end here")
@@ -307,7 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", ".*number of training batches.*")
     start = time.perf_counter()
 
-    module = UserParallelModule(args.model, seed=args.seed) if args.user_parallel else build_module(args.model, seed=args.seed)
+    config = {} if args.layers is None else {LAYERS_FIELD[args.model]: args.layers}
+    module = (
+        UserParallelModule(args.model, seed=args.seed)
+        if args.user_parallel
+        else build_module(args.model, seed=args.seed, config=config)
+    )
     train, val = make_dataloaders(args)
     recorder = RecordCallback()
     callbacks: list[pl.Callback] = [recorder]

@@ -57,6 +57,7 @@ __all__ = [
     "TinyGPT",
     "TinyLlama",
     "RMSNorm",
+    "LAYERS_FIELD",
     "LMLightningModule",
     "RandomTokenDataset",
     "build_module",
@@ -65,6 +66,8 @@ __all__ = [
 
 ModelName = Literal["gpt", "llama"]
 MODEL_NAMES: tuple[ModelName, ...] = ("gpt", "llama")
+#: The config field holding each model's number of blocks.
+LAYERS_FIELD: dict[ModelName, str] = {"gpt": "num_layers", "llama": "n_layers"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
