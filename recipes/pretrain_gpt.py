@@ -5,9 +5,9 @@ the layout is chosen entirely by the strategy arguments below.
 
 Usage (from the repository root)::
 
-    python recipes/pretrain_gpt.py                         # yaml defaults: 4 CPU procs, dp=2 x tp=2
-    python recipes/pretrain_gpt.py --devices 2 --dp 2 --tp 1 --max-steps 50
-    python recipes/pretrain_gpt.py --devices 4 --dp 1 --tp 2 --pp 2
+    python recipes/pretrain_gpt.py                         # yaml defaults: 4 CPU procs, tp=2 x pp=2 (1F1B)
+    python recipes/pretrain_gpt.py --devices 2 --dp 2 --tp 1 --pp 1 --max-steps 50
+    python recipes/pretrain_gpt.py --devices 4 --tp 1 --pp 4 --pp-schedule interleaved_1f1b --microbatches 8
     python recipes/pretrain_gpt.py --accelerator gpu --devices 8 --dp 2 --tp 2 --pp 2 --precision bf16-mixed
     tensorboard --logdir lightning_logs
 """
@@ -28,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+import torch  # noqa: E402
 import yaml  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import LearningRateMonitor  # noqa: E402
@@ -51,6 +52,9 @@ OVERRIDES: list[tuple[str, str | None, str]] = [
     ("pp", "parallel", "pp"),
     ("dp_replicate", "parallel", "dp_replicate"),
     ("zero", "parallel", "zero"),
+    ("pp_schedule", "parallel", "pp_schedule"),
+    ("microbatches", "parallel", "microbatches"),
+    ("virtual_stages", "parallel", "virtual_stages"),
     ("batch_size", "data", "batch_size"),
     ("seed", None, "seed"),
 ]
@@ -64,7 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accelerator", help="cpu (yaml default) | gpu | cuda | auto")
     p.add_argument("--dp", type=_int_or_auto, help='sharded data-parallel degree, or "auto"')
     p.add_argument("--tp", type=int, help="tensor-parallel degree")
-    p.add_argument("--pp", type=int, help="pipeline-parallel degree (yaml default 1)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel degree")
+    p.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble |"
+                   " zbv_zero_bubble | dualpipev")
+    p.add_argument("--microbatches", type=int, help="pipeline microbatches per step (must divide --batch-size)")
+    p.add_argument("--virtual-stages", type=int, help="pipeline stages per rank (interleaved and V schedules)")
     p.add_argument("--dp-replicate", type=int, help="replicated data-parallel degree (HSDP)")
     p.add_argument("--zero", type=int, choices=(2, 3), help="FSDP resharding: 3 (default) or 2")
     p.add_argument("--precision", help='e.g. "32-true", "bf16-mixed", "bf16-true"')
@@ -110,8 +118,13 @@ class LossHistory(Callback):
 
 def build_trainer(cfg: dict[str, Any], log_dir: str, history: LossHistory) -> Trainer:
     t, par = cfg["trainer"], cfg["parallel"]
+    pipeline = (
+        dict(pp_schedule=par["pp_schedule"], microbatches=par["microbatches"], virtual_stages=par["virtual_stages"])
+        if par["pp"] > 1
+        else {}
+    )
     strategy = HybridStrategy(
-        dp=par["dp"], tp=par["tp"], pp=par["pp"], dp_replicate=par["dp_replicate"], zero=par["zero"]
+        dp=par["dp"], tp=par["tp"], pp=par["pp"], dp_replicate=par["dp_replicate"], zero=par["zero"], **pipeline
     )
     return Trainer(
         accelerator=t["accelerator"],
@@ -172,6 +185,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if trainer.is_global_zero:
         print_summary(trainer, history, elapsed)
+    if torch.distributed.is_initialized():
+        # Close gloo/NCCL connections on all ranks together rather than at interpreter exit.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def print_summary(trainer: Trainer, history: LossHistory, elapsed: float) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import run_script
 
-ReferenceFn = Callable[[str, int], dict[str, Any]]
+ReferenceFn = Callable[..., dict[str, Any]]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,15 +25,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> ReferenceFn:
-    """``reference_run(model, dp_size)``: the cached result of ``equivalence.py --reference``."""
-    cache: dict[tuple[str, int], dict[str, Any]] = {}
+    """``reference_run(model, dp_size, layers=None)``: the cached result of ``equivalence.py --reference``
+    (``layers`` overrides the model's number of blocks)."""
+    cache: dict[tuple[str, int, int | None], dict[str, Any]] = {}
     directory = tmp_path_factory.mktemp("reference")
 
-    def get(model: str, dp_size: int) -> dict[str, Any]:
-        key = (model, dp_size)
+    def get(model: str, dp_size: int, layers: int | None = None) -> dict[str, Any]:
+        key = (model, dp_size, layers)
         if key not in cache:
-            out = directory / f"{model}_dp{dp_size}.pt"
-            cache[key] = run_script(["--model", model, "--reference", "--dp", dp_size, "--devices", 1, "--out", out])
+            out = directory / f"{model}_dp{dp_size}_layers{layers}.pt"
+            extra = [] if layers is None else ["--layers", layers]
+            cache[key] = run_script(
+                ["--model", model, "--reference", "--dp", dp_size, "--devices", 1, *extra, "--out", out]
+            )
         return cache[key]
 
     return get

@@ -1,8 +1,9 @@
 """Train a tiny test model for a few optimizer steps and save its losses and full parameters.
 
-This is a SCRIPT, not a test module: Lightning's subprocess launcher starts the extra ranks of a multi-process
-fit by re-executing ``sys.argv``, so a distributed fit cannot run inside the pytest process.
-``tests/helpers.py::run_script`` runs it in a subprocess and ``tests/test_equivalence.py`` compares the results.
+This is a SCRIPT, not a test module: a distributed fit needs one process per rank, so it cannot run inside the
+pytest process. Run it directly and Lightning's subprocess launcher starts the extra ranks by re-executing
+``sys.argv``; ``tests/helpers.py::run_script`` instead starts every rank at once with torchrun-style environment
+variables, and ``tests/test_equivalence.py`` / ``tests/test_pipeline.py`` compare the results.
 
 Usage::
 
@@ -10,6 +11,9 @@ Usage::
     python tests/equivalence.py --model gpt --reference --dp 2 --devices 1 --out /tmp/ref.pt
     # the same training with HybridStrategy (FSDP2 dp=2 x tensor-parallel tp=2 on 4 CPU processes):
     python tests/equivalence.py --model gpt --dp 2 --tp 2 --devices 4 --out /tmp/par.pt
+    # two pipeline stages (4 blocks), interleaved 1F1B with two stages per rank:
+    python tests/equivalence.py --model llama --pp 2 --layers 4 --devices 2 \
+        --strategy-kwargs '{"pp_schedule": "interleaved_1f1b"}' --out /tmp/pp.pt
     # the harness's own check against Lightning's DDP:
     python tests/equivalence.py --model gpt --strategy ddp --dp 2 --devices 2 --out /tmp/ddp.pt
 
@@ -40,12 +44,19 @@ What is saved (``torch.save`` on global rank 0)
                   stricter than a per-step value because each micro-batch's forward is checked on its own.
 ``tokens``        per micro-batch, the ``reduce_fx="sum"`` metric of tokens seen: the global batch's token count
                   if metrics are reduced over data-parallel ranks only (tensor-parallel copies not counted twice).
+``step_outputs``  per micro-batch, ``outputs["loss"]`` as callbacks receive it in ``on_train_batch_end`` (rank 0;
+                  with pipelining rank 0 does not compute the loss, the strategy hands it the last stage's).
 ``step_losses``   per optimizer step, the mean of its micro-batch losses (what the accumulated gradient
                   corresponds to); derived from ``losses``, saved for reports.
 ``val_losses``    the epoch-level ``val_loss`` of every validation run (one, after the first epoch).
 ``params``        the FULL (unsharded) state dict of the LightningModule after fit, on CPU.
 ``replica_max_abs_diff``  largest difference between ranks that hold the same parameter (0 when replicas and
                   gathered shards agree; a diagnostic for replicas that drifted apart).
+``hook_calls``, ``grads_after_backward``, ``learning_rates``  how often ``on_before_backward``,
+                  ``on_after_backward`` and ``on_before_optimizer_step`` fired (rank 0), whether every parameter had
+                  a gradient in ``on_after_backward``, and the learning rate at each optimizer step.
+``rank_parameter_counts``  per rank, the global element count of the parameters it holds (pipeline stages hold
+                  only their own).
 ``global_step``, ``args``, ``world_size``, ``wall_s``.
 """
 
@@ -71,13 +82,14 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from tests.models import (  # noqa: E402
-    MODEL_NAMES,
+    ALL_MODEL_NAMES,
     LMLightningModule,
     RandomTokenDataset,
     LAYERS_FIELD,
@@ -139,9 +151,14 @@ class RecordCallback(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.tokens: list[float] = []
+        self.step_outputs: list[float] = []
         self.val_losses: list[float] = []
         self.params: dict[str, Tensor] = {}
         self.replica_max_abs_diff: float = 0.0
+        self.hook_calls: dict[str, int] = {"on_before_backward": 0, "on_after_backward": 0, "on_before_optimizer_step": 0}
+        self.grads_after_backward: list[bool] = []
+        self.learning_rates: list[float] = []
+        self.rank_parameter_counts: list[int] = []
 
     @staticmethod
     def _scalar(value: Any) -> float:
@@ -158,6 +175,18 @@ class RecordCallback(pl.Callback):
         # reduced over ranks at log time because of ``sync_dist=True``.
         self.losses.append(self._scalar(trainer.callback_metrics["train_loss"]))
         self.tokens.append(self._scalar(trainer.callback_metrics["tokens"]))
+        self.step_outputs.append(self._scalar(outputs["loss"]))
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self.hook_calls["on_before_backward"] += 1
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.hook_calls["on_after_backward"] += 1
+        self.grads_after_backward.append(all(p.grad is not None for p in pl_module.parameters()))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.hook_calls["on_before_optimizer_step"] += 1
+        self.learning_rates.append(optimizer.param_groups[0]["lr"])
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -168,6 +197,13 @@ class RecordCallback(pl.Callback):
         # unwraps nothing it should not (DDP wraps a different object than ``pl_module``). ``cpu_offload=False``
         # on purpose: with ``cpu_offload=True`` only rank 0 keeps tensors, which would lose parameters that
         # live only on other ranks (pipeline stages). Each rank's dict is gathered and merged on rank 0 instead.
+        # Global element counts (a DTensor's numel is its global size): what each rank holds before data sharding.
+        count = sum(p.numel() for p in pl_module.parameters())
+        distributed = dist.is_available() and dist.is_initialized()
+        counts: list[int] = [0] * dist.get_world_size() if distributed else [count]
+        if distributed:
+            dist.all_gather_object(counts, count)
+        self.rank_parameter_counts = counts
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)
         local = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(pl_module, options=options).items()}
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -226,7 +262,7 @@ def _checkpoint_step(path: Path | None) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=MODEL_NAMES, default="gpt")
+    parser.add_argument("--model", choices=ALL_MODEL_NAMES, default="gpt")
     parser.add_argument("--reference", action="store_true", help="plain single-process Lightning (devices=1)")
     parser.add_argument("--strategy", choices=("hybrid", "ddp"), default="hybrid", help="parallel mode only")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel sharding degree")
@@ -252,6 +288,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="add ModelCheckpoint(monitor='val_loss') and EarlyStopping; record each rank's decisions")
     parser.add_argument("--user-parallel", action="store_true",
                         help="the module applies FSDP2 itself in configure_model (HybridStrategy must respect it)")
+    parser.add_argument("--tensorboard", type=Path, help="log to a TensorBoardLogger in this folder, every batch")
+    parser.add_argument(
+        "--sweep", type=json.loads,
+        help="JSON list of HybridStrategy keyword dicts: train once per entry in the same processes (saving"
+             " OUT.<index>.pt, TensorBoard in TENSORBOARD/<index>), which saves a process start per entry",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -267,7 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_strategy(args: argparse.Namespace) -> Any:
+def make_strategy(args: argparse.Namespace, sweep_entry: dict[str, Any]) -> Any:
     """The Trainer ``strategy`` argument for the requested mode."""
     if args.reference:
         return "auto"
@@ -279,6 +321,7 @@ def make_strategy(args: argparse.Namespace) -> Any:
     if args.zero is not None:
         kwargs["zero"] = args.zero
     kwargs.update(args.strategy_kwargs)
+    kwargs.update(sweep_entry)
     return HybridStrategy(**kwargs)
 
 
@@ -302,11 +345,35 @@ def make_dataloaders(args: argparse.Namespace) -> tuple[DataLoader, DataLoader]:
     return train, val
 
 
+def sweep_out(out: Path, index: int) -> Path:
+    """Where entry ``index`` of ``--sweep`` saves its result."""
+    return out.with_name(f"{out.stem}.{index}{out.suffix}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # Tiny models: keep Lightning's advice about dataloader workers and small batches out of the logs.
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*number of training batches.*")
+    if args.sweep is None:
+        train_once(args, {}, args.out, args.tensorboard)
+    else:
+        for index, entry in enumerate(args.sweep):
+            tensorboard = args.tensorboard / str(index) if args.tensorboard else None
+            train_once(args, entry, sweep_out(args.out, index), tensorboard)
+    shut_down_process_group()
+
+
+def shut_down_process_group() -> None:
+    """Leave together and close gloo's connections before exit; a rank exiting while its peers' gloo threads still
+    serve the connection occasionally died in C++ ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path, tensorboard: Path | None) -> None:
+    """One fit + test + predict; rank 0 saves the result to ``out``."""
     start = time.perf_counter()
 
     config = {} if args.layers is None else {LAYERS_FIELD[args.model]: args.layers}
@@ -327,12 +394,13 @@ def main(argv: list[str] | None = None) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=make_strategy(args),
+        strategy=make_strategy(args, sweep_entry),
         precision=args.precision,
         max_steps=args.steps,
         gradient_clip_val=args.gradient_clip_val,
         accumulate_grad_batches=ACCUMULATE_GRAD_BATCHES,
-        logger=False,
+        logger=TensorBoardLogger(tensorboard, name="", version=0) if tensorboard else False,
+        log_every_n_steps=1,
         enable_checkpointing=args.checkpoint_dir is not None or args.monitor,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -367,10 +435,15 @@ def main(argv: list[str] | None = None) -> None:
         result = {
             "losses": recorder.losses,
             "tokens": recorder.tokens,
+            "step_outputs": recorder.step_outputs,
             "step_losses": step_losses,
             "val_losses": recorder.val_losses,
             "params": recorder.params,
             "replica_max_abs_diff": recorder.replica_max_abs_diff,
+            "hook_calls": recorder.hook_calls,
+            "grads_after_backward": recorder.grads_after_backward,
+            "learning_rates": recorder.learning_rates,
+            "rank_parameter_counts": recorder.rank_parameter_counts,
             "global_step": fit_step,
             "rank_decisions": decisions,
             "test_loss": float(test_loss),
@@ -378,15 +451,16 @@ def main(argv: list[str] | None = None) -> None:
             "tp_plan": getattr(trainer.strategy, "tp_plan_applied", {}),
             "world_size": trainer.world_size,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "sweep_entry": sweep_entry,
             "wall_s": wall_s,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(result, args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(result, out)
         print(
             f"[equivalence] {'reference' if args.reference else args.strategy} model={args.model}"
             f" dp={args.dp} tp={args.tp} pp={args.pp} dp_replicate={args.dp_replicate} devices={args.devices}"
             f" wall={wall_s:.1f}s step_losses={[round(x, 6) for x in step_losses]} val={recorder.val_losses}"
-            f" replica_max_abs_diff={recorder.replica_max_abs_diff:.3g} -> {args.out}",
+            f" replica_max_abs_diff={recorder.replica_max_abs_diff:.3g} -> {out}",
             flush=True,
         )
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.equivalence import sweep_out
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "tests" / "equivalence.py"
@@ -32,48 +37,96 @@ def run_script(
 ) -> dict[str, Any]:
     """Run ``tests/equivalence.py`` with ``args`` (must include ``--out PATH``) and load its result.
 
-    The script runs in a fresh interpreter because Lightning's launcher re-executes ``sys.argv`` to start the
-    other ranks. ``OMP_NUM_THREADS=1`` because several ranks share few cores and oversubscription makes gloo
-    runs crawl. Returns the saved dict with ``run_s`` (wall time of the whole subprocess) added.
+    The ranks (``--devices``) start together as separate processes with the environment ``torchrun`` or SLURM
+    would give them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), which Lightning detects and then
+    does not launch processes itself: importing torch and Lightning (~6 s per process here) runs in all ranks at
+    once instead of rank 0 first and the others after it. (The recipe test covers Lightning's own launcher.)
+    ``OMP_NUM_THREADS=1`` because several ranks share few cores and oversubscription makes gloo runs crawl.
+    Returns the saved dict with ``run_s`` (wall time until every rank exited) added.
     """
     args = [str(a) for a in args]
-    if "--out" not in args:
-        raise ValueError("run_script needs --out PATH among the arguments")
-    out = Path(args[args.index("--out") + 1])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env["OMP_NUM_THREADS"] = "1"
-    # Lightning picks a free port itself when MASTER_PORT is unset; an inherited one could collide with another
-    # test's run. Likewise rank variables from an outer launcher would confuse the child's launcher.
-    for var in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED"):
-        env.pop(var, None)
-    command = [sys.executable, str(SCRIPT), *args]
-    out.unlink(missing_ok=True)  # never load a stale result from an earlier run
-    start = time.perf_counter()
-    # A new session makes the script the leader of a process group that also holds the ranks Lightning's launcher
-    # starts, so a timeout can end all of them; killing only the direct child would orphan hung ranks.
-    proc = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=nprocs_timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise ScriptError(
-            f"timed out after {nprocs_timeout:.0f}s: {' '.join(command)}\n"
-            f"--- stdout (tail) ---\n{stdout[-_TAIL_CHARS:]}\n--- stderr (tail) ---\n{stderr[-_TAIL_CHARS:]}"
-        ) from None
-    run_s = time.perf_counter() - start
-    if proc.returncode != 0 or not out.exists():
-        raise ScriptError(
-            f"exit code {proc.returncode} after {run_s:.1f}s: {' '.join(command)}\n"
-            f"--- stdout (tail) ---\n{stdout[-_TAIL_CHARS:]}\n--- stderr (tail) ---\n{stderr[-_TAIL_CHARS:]}"
-        )
+    out, run_s = _launch(args, nprocs_timeout)
     result: dict[str, Any] = torch.load(out, map_location="cpu", weights_only=False)
     result["run_s"] = run_s
     return result
+
+
+def run_sweep(
+    args: Sequence[str | int | os.PathLike[str]], entries: Sequence[dict[str, Any]],
+    nprocs_timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[dict[str, Any]]:
+    """Like :func:`run_script`, training once per ``HybridStrategy`` keyword dict in ``entries`` in the same
+    processes (``equivalence.py --sweep``); returns one result per entry."""
+    args = [str(a) for a in args] + ["--sweep", json.dumps(list(entries))]
+    out, run_s = _launch(args, nprocs_timeout, outputs=len(entries))
+    results = []
+    for index in range(len(entries)):
+        result = torch.load(sweep_out(out, index), map_location="cpu", weights_only=False)
+        result["run_s"] = run_s / len(entries)
+        results.append(result)
+    return results
+
+
+def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0) -> tuple[Path, float]:
+    """Start every rank of ``equivalence.py args``, wait for all; returns ``(--out path, seconds)``."""
+    if "--out" not in args:
+        raise ValueError("run_script needs --out PATH among the arguments")
+    out = Path(args[args.index("--out") + 1])
+    expected = [sweep_out(out, index) for index in range(outputs)] if outputs else [out]
+    devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    # Rank variables from an outer launcher must not leak into the ranks started here.
+    for var in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
+                "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    if devices > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(devices), NODE_RANK="0")
+    command = [sys.executable, str(SCRIPT), *args]
+    for path in expected:
+        path.unlink(missing_ok=True)  # never load a stale result from an earlier run
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logs = [out.with_name(f"{out.stem}.rank{rank}.log") for rank in range(devices)]
+    start = time.perf_counter()
+    procs = []
+    for rank, log in enumerate(logs):
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if devices > 1 else env
+        with open(log, "w") as stream:
+            # Each rank leads its own process group, so a timeout can end it with anything it started.
+            procs.append(subprocess.Popen(command, cwd=REPO_ROOT, env=rank_env, stdout=stream,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + nprocs_timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise ScriptError(f"timed out after {nprocs_timeout:.0f}s: {' '.join(command)}\n{_tails(logs)}") from None
+    run_s = time.perf_counter() - start
+    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+    if failed or not all(path.exists() for path in expected):
+        raise ScriptError(f"ranks {failed} failed after {run_s:.1f}s: {' '.join(command)}\n{_tails(logs)}")
+    return out, run_s
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _tails(logs: list[Path]) -> str:
+    """The end of rank 0's output and of every other rank's that mentions an error."""
+    parts = []
+    for rank, log in enumerate(logs):
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if rank == 0 or "Error" in text:
+            parts.append(f"--- rank {rank} (tail) ---\n{text[-_TAIL_CHARS:]}")
+    return "\n".join(parts)
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -119,8 +172,10 @@ def compare_results(ref: dict[str, Any], par: dict[str, Any]) -> dict[str, Any]:
 def assert_equivalent(ref: dict[str, Any], par: dict[str, Any], rtol: float = 1e-5) -> dict[str, Any]:
     """Assert ``par`` trained to the same numbers as ``ref``; print and return the measured differences.
 
-    Compared: every logged micro-batch ``train_loss``, every ``val_loss``, the number of optimizer steps, and
-    every parameter of the full state dict (same names, shapes, dtypes, and ``relative_difference <= rtol``).
+    Compared: every logged micro-batch ``train_loss``, every ``val_loss``, the ``test_loss``, the summed ``tokens``
+    metric, the number of optimizer steps, the hooks fired around backward and the optimizer step with the learning
+    rate at each step, the prediction shapes, and every parameter of the full state dict (same names, shapes,
+    dtypes, and ``relative_difference <= rtol``).
     """
     report = compare_results(ref, par)
     worst = sorted(report["param_diffs"].items(), key=lambda item: item[1], reverse=True)[:3]
@@ -147,10 +202,21 @@ def assert_equivalent(ref: dict[str, Any], par: dict[str, Any], rtol: float = 1e
     if not report["loss_max_rel"] <= rtol:
         pairs = ", ".join(f"{a:.7f}/{b:.7f}" for a, b in zip(ref["losses"], par["losses"]))
         problems.append(f"train losses differ by {report['loss_max_rel']:.3e} (ref/par: {pairs})")
+    # What callbacks receive as ``outputs`` is rank 0's own loss: the global one only without data parallelism.
+    single_replica = par.get("args", {}).get("dp_size", 1) == 1
+    outputs_ref, outputs_par = ref.get("step_outputs", []), par.get("step_outputs", [])
+    outputs_differ = len(outputs_ref) != len(outputs_par) or any(
+        not abs(a - b) <= rtol * abs(a) for a, b in zip(outputs_ref, outputs_par)
+    )
+    if single_replica and outputs_differ:
+        problems.append(f"training_step outputs seen by callbacks differ: {outputs_ref} vs {outputs_par}")
     if ref.get("tokens") != par.get("tokens"):
         problems.append(f"summed metric 'tokens' differs: {ref.get('tokens')} vs {par.get('tokens')}")
     if "test_loss" in ref and not abs(ref["test_loss"] - par["test_loss"]) <= rtol * abs(ref["test_loss"]):
         problems.append(f"test losses differ: {ref['test_loss']} vs {par['test_loss']}")
+    for key in ("hook_calls", "grads_after_backward", "learning_rates"):
+        if key in ref and key in par and ref[key] != par[key]:
+            problems.append(f"{key} differ: {ref[key]} vs {par[key]}")
     if not report["val_loss_max_rel"] <= rtol:
         problems.append(f"val losses differ: {ref['val_losses']} vs {par['val_losses']}")
     bad = {n: d for n, d in report["param_diffs"].items() if not d <= rtol}  # `not <=` also catches NaN

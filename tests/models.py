@@ -57,17 +57,26 @@ __all__ = [
     "TinyGPT",
     "TinyLlama",
     "RMSNorm",
+    "ALL_MODEL_NAMES",
     "LAYERS_FIELD",
+    "PIPELINE_MODEL_NAMES",
     "LMLightningModule",
     "RandomTokenDataset",
     "build_module",
     "default_config",
 ]
 
-ModelName = Literal["gpt", "llama"]
+ModelName = Literal["gpt", "llama", "tuple", "hf_llama"]
+#: The two models every layout is tested on.
 MODEL_NAMES: tuple[ModelName, ...] = ("gpt", "llama")
+#: Models for pipeline parallelism only: blocks returning tuples and taking keyword arguments built outside the
+#: trunk (``tuple``), and an unmodified Hugging Face ``LlamaForCausalLM`` (``hf_llama``).
+PIPELINE_MODEL_NAMES: tuple[ModelName, ...] = ("tuple", "hf_llama")
+ALL_MODEL_NAMES: tuple[ModelName, ...] = MODEL_NAMES + PIPELINE_MODEL_NAMES
 #: The config field holding each model's number of blocks.
-LAYERS_FIELD: dict[ModelName, str] = {"gpt": "num_layers", "llama": "n_layers"}
+LAYERS_FIELD: dict[ModelName, str] = {
+    "gpt": "num_layers", "llama": "n_layers", "tuple": "num_layers", "hf_llama": "num_hidden_layers"
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -291,6 +300,80 @@ class TinyLlama(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Hugging Face-style blocks: keyword arguments built outside the trunk, tuple outputs
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class TupleConfig:
+    """Dimensions of :class:`TupleBlocksLM`."""
+
+    vocab_size: int = 64
+    seq_len: int = 16
+    embed_dim: int = 32
+    num_heads: int = 4
+    num_layers: int = 4
+
+
+class TupleBlock(nn.Module):
+    """``block(hidden_states, attention_mask=..., position_bias=...) -> (hidden_states, attention_probs)``."""
+
+    def __init__(self, config: TupleConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.embed_dim // config.num_heads
+        self.norm = nn.LayerNorm(config.embed_dim)
+        self.query = nn.Linear(config.embed_dim, config.embed_dim)
+        self.key = nn.Linear(config.embed_dim, config.embed_dim)
+        self.value = nn.Linear(config.embed_dim, config.embed_dim)
+        self.out = nn.Linear(config.embed_dim, config.embed_dim)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor, position_bias: Tensor) -> tuple[Tensor, Tensor]:
+        b, t, _ = hidden_states.shape
+        x = self.norm(hidden_states)
+        q, k, v = (proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2) for proj in (self.query, self.key, self.value))
+        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5 + attention_mask + position_bias
+        probs = scores.softmax(-1)
+        attended = (probs @ v).transpose(1, 2).reshape(b, t, -1)
+        return hidden_states + self.out(attended), probs
+
+
+class TupleBlocksLM(nn.Module):
+    """Blocks in ``layers`` take a causal mask and a position bias computed in the model's forward as keyword
+    arguments, and return ``(hidden_states, attention_probs)`` of which the model keeps element 0."""
+
+    def __init__(self, config: TupleConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.embed_dim)
+        self.layers = nn.ModuleList(TupleBlock(config) for _ in range(config.num_layers))
+        self.final_norm = nn.LayerNorm(config.embed_dim)
+        self.lm_head = nn.Linear(config.embed_dim, config.vocab_size)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        hidden_states = self.embed(idx)
+        t = idx.shape[1]
+        positions = torch.arange(t, device=idx.device)
+        mask = torch.full((t, t), float("-inf"), device=idx.device, dtype=hidden_states.dtype).triu(1)
+        bias = -0.1 * (positions[:, None] - positions[None, :]).abs().to(hidden_states.dtype)
+        for layer in self.layers:
+            outputs = layer(hidden_states, attention_mask=mask, position_bias=bias)
+            hidden_states = outputs[0]
+        return self.lm_head(self.final_norm(hidden_states))
+
+
+def hugging_face_llama(config: dict[str, Any]) -> nn.Module:
+    """An unmodified ``transformers.LlamaForCausalLM`` (untied embeddings), tiny, returning logits."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False, attn_implementation="eager",
+    )
+    settings.update(config)
+    return LlamaForCausalLM(HFLlamaConfig(**settings))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------------------------
 class RandomTokenDataset(Dataset):
@@ -356,11 +439,16 @@ class LMLightningModule(pl.LightningModule):
             self.model: nn.Module = TinyGPT(GPTConfig(**(config or {})))
         elif model == "llama":
             self.model = TinyLlama(LlamaConfig(**(config or {})))
+        elif model == "tuple":
+            self.model = TupleBlocksLM(TupleConfig(**(config or {})))
+        elif model == "hf_llama":
+            self.model = hugging_face_llama(config or {})
         else:
-            raise ValueError(f"unknown model {model!r}; expected one of {MODEL_NAMES}")
+            raise ValueError(f"unknown model {model!r}; expected one of {ALL_MODEL_NAMES}")
 
     def forward(self, idx: Tensor) -> Tensor:
-        return self.model(idx)
+        output = self.model(idx)
+        return output.logits if self.hparams.model == "hf_llama" else output
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, targets = batch
@@ -400,5 +488,7 @@ def build_module(model: ModelName, seed: int = 42, **kwargs: Any) -> LMLightning
 
 def default_config(model: ModelName) -> dict[str, Any]:
     """The dataclass defaults of ``model`` as a dict (handy for sizing the dataset)."""
+    if model in ("tuple", "hf_llama"):
+        return asdict(TupleConfig())  # same vocabulary and sequence length
     return asdict(GPTConfig() if model == "gpt" else LlamaConfig())
 

@@ -51,8 +51,8 @@ def test_bad_options_fail_at_construction() -> None:
         HybridStrategy(zero=1)
     with pytest.raises(ValueError, match=r"zero=4\) is invalid: choose 2 or 3"):
         HybridStrategy(zero=4)
-    with pytest.raises(NotImplementedError, match=r"pp=2.*not available yet"):
-        HybridStrategy(pp=2)
+    with pytest.raises(ValueError, match=r"pp=0\) is invalid: pp must be a positive integer"):
+        HybridStrategy(pp=0)
     with pytest.raises(ValueError, match=r"tp=-1\) is invalid"):
         HybridStrategy(tp=-1)
 
