@@ -225,10 +225,13 @@ def _staged_class(cls: type) -> type:
 class _UnitDispatcher:
     """Decides, for each unit called during a stage's step, whether it computes, stands in, or ends the stage."""
 
-    def __init__(self, split: StageSplit, shadows: list[nn.Module], device: torch.device) -> None:
+    def __init__(
+        self, split: StageSplit, shadows: list[nn.Module], device: torch.device, compute_dtype: Optional[torch.dtype]
+    ) -> None:
         self.split = split
         self._shadows = shadows
         self._device = device
+        self._compute_dtype = compute_dtype
         self.active: Optional[_ActiveStage] = None
         self._previous_block_output: list[Tensor] = []
 
@@ -248,7 +251,10 @@ class _UnitDispatcher:
                 args, kwargs = self._take_received(block, args, kwargs)
             output = compute(*args, **kwargs)  # type: ignore[misc]
         elif block is not None and block > active.blocks.stop - 1:
-            raise RuntimeError(f"Block {block} ran after block {active.blocks.stop - 1}, where stage {active.index} ends.")
+            raise RuntimeError(
+                f"Block {block} ran after block {active.blocks.stop - 1}, where stage {active.index} ends: with pp > 1"
+                " the step must run its blocks in order, each once."
+            )
         else:
             output = self._stand_in(index, args, kwargs)
         if block is not None:
@@ -259,7 +265,14 @@ class _UnitDispatcher:
 
     def _stand_in(self, index: int, args: tuple, kwargs: dict) -> Any:
         """Zeros shaped like the unit's output, computed on a meta-device copy (no parameters, no FLOPs)."""
-        to_meta = lambda v: v.detach().to("meta") if isinstance(v, Tensor) else v  # noqa: E731
+
+        def to_meta(value: Any) -> Any:
+            if not isinstance(value, Tensor):
+                return value
+            # Floating inputs in the compute dtype, as FSDP2's mixed-precision policy casts a real unit's inputs.
+            cast = self._compute_dtype if self._compute_dtype is not None and value.is_floating_point() else None
+            return value.detach().to("meta", dtype=cast)
+
         with torch.no_grad():
             output = self._shadows[index](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         return tree_map(
@@ -332,6 +345,7 @@ class Pipeline:
         pp_mesh: DeviceMesh,
         device: torch.device,
         shadows: list[nn.Module],
+        compute_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.module = module
         self.split = split
@@ -339,7 +353,7 @@ class Pipeline:
         self.stage_ids = schedule.stage_ids(pp_mesh.get_local_rank())
         self._group = pp_mesh.get_group()
         self._device = device
-        self._dispatcher = _UnitDispatcher(split, shadows, device)
+        self._dispatcher = _UnitDispatcher(split, shadows, device, compute_dtype)
         self.stage_modules: dict[int, _StageModule] = {}
         self._schedules: dict[Any, Any] = {}
         self._step_name = "training_step"
@@ -592,7 +606,7 @@ def _recording_logs(module: Any, logs: list) -> Iterator[None]:
                 f"self.log({name!r}, ...) got a {type(value).__name__}: with pp > 1 only tensors and numbers can be"
                 " logged from a pipelined step (the strategy combines them over microbatches)."
             )
-        logs.append((name, _to_cpu(value), kwargs))
+        logs.append((name, _detached(value), kwargs))
 
     module.log = record  # an instance attribute shadows LightningModule.log for the step's duration
     try:

@@ -246,7 +246,9 @@ class HybridStrategy(ModelParallelStrategy):
         )
         compute_dtype = mixed_precision_policy(str(self.precision_plugin.precision)).param_dtype
         shadows = make_shadows(module, split, compute_dtype)
-        return Pipeline(module, split, self.pp_schedule, self.device_mesh[PIPELINE], self.root_device, shadows)
+        return Pipeline(
+            module, split, self.pp_schedule, self.device_mesh[PIPELINE], self.root_device, shadows, compute_dtype
+        )
 
     def _shard_stages(self, blocks: Any, fsdp_mesh: DeviceMesh, policy: Any) -> None:
         """FSDP2 per block of each local stage, each stage module the root of its own units."""
