@@ -21,7 +21,7 @@ def test_recipe_defaults_train_tp_x_pp_and_log_to_tensorboard(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr[-4000:]
     output = done.stdout + done.stderr
     assert "tensor-parallel plan (tp=2)" in output
-    assert "pipeline 1f1b over 2 stages, blocks per stage [2, 2], 4 microbatches" in output
+    assert "pipeline 1f1b over 2 stages, blocks per stage [2, 2], 2 microbatches" in output
 
     events = sorted(tmp_path.rglob("events.out.tfevents.*"))
     assert events, f"no TensorBoard event file under {tmp_path}"
