@@ -262,7 +262,8 @@ class HybridStrategy(ModelParallelStrategy):
         self.precision_plugin.pipeline_group = self.device_mesh[PIPELINE].get_group()  # type: ignore[attr-defined]
 
     def _run_first_step(self, trainer: Trainer) -> None:
-        """Run the user's step on the first batch (the block pre-hook stops it) so the first block's inputs show."""
+        """Run the user's step on the first batch with ``self.log`` muted: tensor-parallel planning stops it at the
+        first block to see that block's inputs; the pipeline split runs it to the end to see every module."""
         module = self.lightning_module
         assert module is not None
         loop, step_name = {
