@@ -24,7 +24,10 @@ microbatches) is returned on every rank.
 
 Example::
 
-    pipeline = Pipeline(lightning_module, split, stage_ids=[0], mesh=mesh, schedule=PipelineSchedule("1f1b", 2, 1, 2))
+    schedule = PipelineSchedule.resolve("1f1b", pp=2)
+    pipeline = Pipeline(lightning_module, split, schedule, mesh["pp"], device, make_shadows(lightning_module, split))
+    pipeline.install()                                       # then FSDP2 on pipeline.stage_modules, then:
+    pipeline.route_units()
     loss = pipeline.run_step("training_step", batch, 0)     # forward and backward for all microbatches
 """
 
@@ -365,11 +368,9 @@ class Pipeline:
         self._last_stage_rank = dist.get_global_rank(self._group, mapping[schedule.num_stages - 1])
 
     # ---------------------------------------------------------------------------------------- building
-    def install(self) -> dict[int, list[nn.Module]]:
-        """Swap other ranks' units for stand-ins and route this rank's units through the dispatcher.
-
-        Returns this rank's units per local stage (blocks first, in order), for tensor parallelism and FSDP.
-        """
+    def install(self) -> None:
+        """Swap other ranks' units for parameter-free stand-ins and build this rank's stage modules (before FSDP2,
+        which the caller applies to ``stage_modules``)."""
         owned: dict[int, list[nn.Module]] = {stage: [] for stage in self.stage_ids}
         for index, unit in enumerate(self.split.units):
             parent_name, _, attribute = unit.name.rpartition(".")
@@ -378,12 +379,7 @@ class Pipeline:
                 owned[unit.stage].append(getattr(parent, attribute))
             else:
                 setattr(parent, attribute, _RemoteUnit(self._dispatcher, index))
-        return owned
-
-    def finish(self, owned: dict[int, list[nn.Module]]) -> None:
-        """After sharding: build the stage modules (FSDP roots are applied by the caller to ``stage_modules``)."""
-        for stage, units in owned.items():
-            self.stage_modules[stage] = _StageModule(self, stage, units)
+        self.stage_modules = {stage: _StageModule(self, stage, units) for stage, units in owned.items()}
 
     def route_units(self) -> None:
         """Make this rank's units consult the dispatcher on every call (after FSDP2 fixed their classes)."""

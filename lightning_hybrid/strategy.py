@@ -253,8 +253,7 @@ class HybridStrategy(ModelParallelStrategy):
     def _shard_stages(self, blocks: Any, fsdp_mesh: DeviceMesh, policy: Any) -> None:
         """FSDP2 per block of each local stage, each stage module the root of its own units."""
         assert self.pipeline is not None
-        owned = self.pipeline.install()
-        self.pipeline.finish(owned)
+        self.pipeline.install()
         for stage, stage_module in self.pipeline.stage_modules.items():
             stage_blocks = [blocks[i] for i in self.pipeline.split.block_range(stage)]
             apply_fsdp(stage_module, stage_blocks, fsdp_mesh, zero=self._zero, mixed_precision=policy)
