@@ -2,12 +2,14 @@
 
 Order matters: tensor parallelism first, because it replaces parameters with DTensors on the tensor mesh; FSDP2
 last, because it shards whatever parameters it finds (DTensors included) over the data mesh and must see the
-final ones. (Pipeline splitting and activation checkpointing slot in before TP and before FSDP respectively.)
+final ones; activation checkpointing between the two, so the recomputed forward runs the sharded layers and
+FSDP's hooks sit outside the checkpointed region. (Pipeline splitting comes first of all, see ``HybridStrategy``.)
 
 Example::
 
     plan = apply_tensor_parallel(module, "model.blocks", blocks, block_call, mesh["tp"], tp_plan={}, verify=True)
-    apply_fsdp(module, blocks, data_mesh, zero=3, mixed_precision=policy)
+    apply_activation_checkpointing(enumerate(blocks), CheckpointPlan.resolve("every"))
+    apply_fsdp(module, blocks, data_mesh, FSDPOptions(zero=3, mixed_precision=policy))
 """
 
 from __future__ import annotations

@@ -19,17 +19,22 @@ worse than ZeRO-1 here.
 
 Example::
 
-    apply_fsdp(lightning_module, blocks, data_mesh, zero=3, mixed_precision=bf16_policy)
+    apply_fsdp(lightning_module, blocks, data_mesh, FSDPOptions(zero=3, mixed_precision=bf16_policy, offload=False))
+
+With ``offload=True`` FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters, their gradients and (because the
+optimizer is created on them) the optimizer state in CPU memory; each unit's parameters are copied to the device
+for its all-gather and gradients copied back after the reduce-scatter, and the optimizer step runs on CPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -60,30 +65,35 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(
-    root: nn.Module,
-    blocks: Iterable[nn.Module],
-    mesh: DeviceMesh,
-    *,
-    zero: int,
-    mixed_precision: MixedPrecisionPolicy,
-) -> None:
+@dataclass(frozen=True)
+class FSDPOptions:
+    """How :func:`apply_fsdp` shards: ZeRO level (2 or 3), mixed precision, CPU offload."""
+
+    zero: int
+    mixed_precision: MixedPrecisionPolicy
+    offload: bool = False
+
+    def offload_policy(self, device_type: str) -> OffloadPolicy:
+        # Pinned host memory lets copies overlap compute, but only an accelerator can use it.
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda") if self.offload else OffloadPolicy()
+
+
+def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, options: FSDPOptions) -> None:
     """Shard each block as one FSDP2 unit, then the root (embeddings, final norm, head and anything left).
 
     ``mesh`` is the data-parallel mesh: 1-D for plain sharding, 2-D ``(replicate, shard)`` for HSDP.
     """
+    common = dict(
+        mesh=mesh,
+        mp_policy=options.mixed_precision,
+        offload_policy=options.offload_policy(mesh.device_type),
+        shard_placement_fn=_shard_placement,
+    )
     for block in blocks:
-        fully_shard(
-            block,
-            mesh=mesh,
-            reshard_after_forward=zero == 3,
-            mp_policy=mixed_precision,
-            shard_placement_fn=_shard_placement,
-        )
+        fully_shard(block, reshard_after_forward=options.zero == 3, **common)
     # The root is gathered for the embedding at the start of forward and needed again at once by the head and
     # in backward, so resharding it after forward would only add an all-gather.
-    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mixed_precision,
-                shard_placement_fn=_shard_placement)
+    fully_shard(root, reshard_after_forward=False, **common)
 
 
 def _shard_placement(parameter: nn.Parameter) -> Shard | None:

@@ -18,14 +18,13 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,13 +38,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from typing_extensions import override
 
+from lightning_hybrid.activation_checkpointing import ActivationCheckpointing, CheckpointPlan, apply_activation_checkpointing
 from lightning_hybrid.checkpoint import load_full, load_sharded, save_sharded
 from lightning_hybrid.blocks import capture_block_call, find_block_list
+from lightning_hybrid.initialization import materialize_meta_module
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims, check_degrees
 from lightning_hybrid.parallelize import apply_tensor_parallel
 from lightning_hybrid.pipeline import Pipeline, PipelineSchedule, make_shadows, muted_logs
 from lightning_hybrid.precision import HybridHalfPrecision, HybridPrecision, precision_plugin_for
-from lightning_hybrid.sharding import apply_fsdp, check_zero_level, mixed_precision_policy
+from lightning_hybrid.sharding import FSDPOptions, apply_fsdp, check_zero_level, mixed_precision_policy
 from lightning_hybrid.stage_split import plan_split, trace_step
 from lightning_hybrid.tensor_parallel import PlanEntry
 
@@ -86,6 +87,12 @@ class HybridStrategy(ModelParallelStrategy):
             ``pp × virtual_stages``. The batch size must be divisible by it.
         virtual_stages: Stages per pipeline rank: 1 for ``gpipe``/``1f1b``, default 2 for the others.
         pp_split: Blocks per stage (``pp × virtual_stages`` numbers), overriding the balanced split.
+        activation_checkpointing: ``None`` (default), ``"every"`` block, an integer N (every N-th block) or
+            ``"selective"`` (every block, keeping matmul and attention outputs); see
+            :mod:`lightning_hybrid.activation_checkpointing`.
+        offload: Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
+            ``CPUOffloadPolicy``); parameters are copied to the device for each block's forward and backward and
+            the optimizer steps on CPU.
         verify_tp_plan: Run one block unsharded and sharded at setup and refuse a plan whose outputs differ.
         save_distributed_checkpoint: One DCP shard per rank (``True``) or one consolidated file on rank 0.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
@@ -107,6 +114,8 @@ class HybridStrategy(ModelParallelStrategy):
         microbatches: Optional[int] = None,
         virtual_stages: Optional[int] = None,
         pp_split: Optional[Sequence[int]] = None,
+        activation_checkpointing: ActivationCheckpointing = None,
+        offload: bool = False,
         verify_tp_plan: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -128,6 +137,12 @@ class HybridStrategy(ModelParallelStrategy):
             raise ValueError("HybridStrategy(microbatches=, virtual_stages=, pp_split=) are pipeline options: set pp > 1.")
         self._pp_split = pp_split
         self._zero = check_zero_level(_zero_level(zero, self.pp_schedule))
+        #: Which blocks are activation-checkpointed (``None``: none).
+        self.checkpoint_plan = CheckpointPlan.resolve(activation_checkpointing)
+        _check_checkpointing_with_schedule(self.checkpoint_plan, self.pp_schedule)
+        if not isinstance(offload, bool):
+            raise ValueError(f"HybridStrategy(offload={offload!r}) is invalid: pass True (CPU offload) or False.")
+        self._offload = offload
         #: This rank's pipeline stages and schedules (``None`` when pp=1); set at setup.
         self.pipeline: Optional[Pipeline] = None
         self._tp_plan = dict(tp_plan or {})
@@ -187,15 +202,43 @@ class HybridStrategy(ModelParallelStrategy):
         if not _already_parallel(self.model):
             self._parallelize(trainer)
         elif not self._parallelized_here:
+            if self._offload or self.checkpoint_plan is not None:
+                raise ValueError(
+                    "HybridStrategy(offload=, activation_checkpointing=) are applied while the strategy shards the"
+                    " model, but configure_model() already applied FSDP2/tensor parallelism itself. Either let the"
+                    " strategy parallelize (build the model in configure_model without fully_shard/parallelize_module)"
+                    " or pass offload_policy=CPUOffloadPolicy() to your fully_shard calls and checkpoint your blocks"
+                    " there."
+                )
             rank_zero_info("HybridStrategy: configure_model() already parallelized the model; applying nothing more.")
-        _materialize_distributed_module(self.model, self.root_device)
+        self._materialize()
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self._offload:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _materialize(self) -> None:
+        """Give a meta-device model its values now that each rank holds only its shards (see
+        :mod:`lightning_hybrid.initialization`). The seed is rank 0's, so every rank draws the same values."""
+        assert self.model is not None
+        seed = self.broadcast(torch.initial_seed())
+        parameter_device = torch.device("cpu") if self._offload else self.root_device
+        if materialize_meta_module(self.model, parameter_device, seed):
+            rank_zero_info(f"HybridStrategy: initialized the meta-device model per module from seed {seed}.")
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not self._offload:
+            return super().model_to_device()
+        # FSDP2 keeps offloaded shards in CPU memory and copies them over per block; only buffers move.
+        for module in self.model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(self.root_device)
 
     def _parallelize(self, trainer: Trainer) -> None:
         """Pipeline split, then tensor parallelism, then FSDP2 (see :mod:`lightning_hybrid.parallelize` for why)."""
@@ -207,23 +250,34 @@ class HybridStrategy(ModelParallelStrategy):
             module.to(self.root_device)
         blocks_path, blocks = find_block_list(module, self._blocks_path)
         mesh = self.device_mesh
-        owned_blocks = list(blocks)
+        # 1. pipeline split: this rank keeps only its stages' blocks (and the modules around them it runs)
+        owned = list(range(len(blocks)))
         if self.dims.pp > 1:
             self.pipeline = self._split_into_stages(trainer, module, blocks_path, blocks)
-            owned_blocks = [blocks[i] for stage in self.pipeline.stage_ids for i in self.pipeline.split.block_range(stage)]
+            owned = [i for stage in self.pipeline.stage_ids for i in self.pipeline.split.block_range(stage)]
+        # 2. tensor parallelism
         if self.dims.tp > 1 or self._tp_plan:
             block_call = capture_block_call(blocks[0], lambda: self._run_first_step(trainer))
             self.tp_plan_applied = apply_tensor_parallel(
                 module, blocks_path, blocks, block_call, mesh[TENSOR], tp_plan=self._tp_plan,
-                verify=self._verify_tp_plan, apply_to=owned_blocks,
+                verify=self._verify_tp_plan, apply_to=[blocks[i] for i in owned],
             )
             rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={self.dims.tp}): {self.tp_plan_applied}")
+        # 3. activation checkpointing, inside the FSDP units so their hooks gather parameters for the recompute
+        if self.checkpoint_plan is not None:
+            count = apply_activation_checkpointing(((i, blocks[i]) for i in owned), self.checkpoint_plan)
+            rank_zero_info(f"HybridStrategy: activation checkpointing {self.checkpoint_plan} on {count} blocks")
+        # 4. FSDP2 last: it shards whatever parameters it finds, DTensors included
         fsdp_mesh = mesh[DATA_DIMS] if self.dims.dp_replicate > 1 else mesh[DATA_SHARD]
-        policy = mixed_precision_policy(str(self.precision_plugin.precision))
+        fsdp_options = FSDPOptions(
+            zero=self._zero,
+            mixed_precision=mixed_precision_policy(str(self.precision_plugin.precision)),
+            offload=self._offload,
+        )
         if self.pipeline is None:
-            apply_fsdp(module, blocks, fsdp_mesh, zero=self._zero, mixed_precision=policy)
+            apply_fsdp(module, blocks, fsdp_mesh, fsdp_options)
         else:
-            self._shard_stages(blocks, fsdp_mesh, policy)
+            self._shard_stages(blocks, fsdp_mesh, fsdp_options)
         rank_zero_info(
             f"HybridStrategy: FSDP2 (ZeRO-{self._zero}) over {len(blocks)} blocks of '{blocks_path}', mesh"
             f" {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}"
@@ -250,13 +304,13 @@ class HybridStrategy(ModelParallelStrategy):
             module, split, self.pp_schedule, self.device_mesh[PIPELINE], self.root_device, shadows, compute_dtype
         )
 
-    def _shard_stages(self, blocks: Any, fsdp_mesh: DeviceMesh, policy: Any) -> None:
+    def _shard_stages(self, blocks: Any, fsdp_mesh: DeviceMesh, fsdp_options: FSDPOptions) -> None:
         """FSDP2 per block of each local stage, each stage module the root of its own units."""
         assert self.pipeline is not None
         self.pipeline.install()
         for stage, stage_module in self.pipeline.stage_modules.items():
             stage_blocks = [blocks[i] for i in self.pipeline.split.block_range(stage)]
-            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, zero=self._zero, mixed_precision=policy)
+            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options)
         self.pipeline.route_units()
         self.precision_plugin.pipeline_group = self.device_mesh[PIPELINE].get_group()  # type: ignore[attr-defined]
 
@@ -403,6 +457,25 @@ def _zero_level(zero: Optional[int], schedule: Optional[PipelineSchedule]) -> ob
             " needs parameters to stay gathered from forward to backward: use zero=2 (its default)."
         )
     return 2 if zero is None else zero
+
+
+def _check_checkpointing_with_schedule(plan: Optional[CheckpointPlan], schedule: Optional[PipelineSchedule]) -> None:
+    # Zero-bubble schedules run backward through a stage twice: input gradients first, then one weight-gradient
+    # pass per group of parameters, each of which unpacks the checkpointed activations again.
+    if plan is None or schedule is None or not schedule.splits_weight_gradients:
+        return
+    if plan.selective:
+        raise ValueError(
+            f"activation_checkpointing='selective' cannot run under pp_schedule={schedule.name!r}: torch's selective"
+            " checkpointing allows one backward pass per checkpointed region, and zero-bubble schedules run two"
+            " (input gradients, then weight gradients). Use activation_checkpointing='every' or an integer N, or a"
+            " schedule without split weight gradients ('1f1b', 'interleaved_1f1b')."
+        )
+    rank_zero_warn(
+        f"activation checkpointing under pp_schedule={schedule.name!r} recomputes a checkpointed block once per"
+        " weight-gradient pass (measured 4-7 recomputations per micro-batch on a GPT block instead of 1): numbers are"
+        " unchanged but the recompute cost multiplies. 'interleaved_1f1b' recomputes each block once."
+    )
 
 
 def _already_parallel(module: torch.nn.Module) -> bool:

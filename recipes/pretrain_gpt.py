@@ -9,6 +9,7 @@ Usage (from the repository root)::
     python recipes/pretrain_gpt.py --devices 2 --dp 2 --tp 1 --pp 1 --max-steps 50
     python recipes/pretrain_gpt.py --devices 4 --tp 1 --pp 4 --pp-schedule interleaved_1f1b --microbatches 8
     python recipes/pretrain_gpt.py --accelerator gpu --devices 8 --dp 2 --tp 2 --pp 2 --precision bf16-mixed
+    python recipes/pretrain_gpt.py --activation-checkpointing selective --offload   # less memory, more time
     tensorboard --logdir lightning_logs
 """
 
@@ -55,6 +56,8 @@ OVERRIDES: list[tuple[str, str | None, str]] = [
     ("pp_schedule", "parallel", "pp_schedule"),
     ("microbatches", "parallel", "microbatches"),
     ("virtual_stages", "parallel", "virtual_stages"),
+    ("activation_checkpointing", "parallel", "activation_checkpointing"),
+    ("offload", "parallel", "offload"),
     ("batch_size", "data", "batch_size"),
     ("seed", None, "seed"),
 ]
@@ -75,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--virtual-stages", type=int, help="pipeline stages per rank (interleaved and V schedules)")
     p.add_argument("--dp-replicate", type=int, help="replicated data-parallel degree (HSDP)")
     p.add_argument("--zero", type=int, choices=(2, 3), help="FSDP resharding: 3 (default) or 2")
+    p.add_argument("--activation-checkpointing", type=_checkpointing_mode,
+                   help='"none" | "every" | "selective" | N (every N-th block)')
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction,
+                   help="keep sharded parameters, gradients and optimizer state in CPU memory")
     p.add_argument("--precision", help='e.g. "32-true", "bf16-mixed", "bf16-true"')
     p.add_argument("--max-steps", type=int)
     p.add_argument("--batch-size", type=int, help="per data-parallel rank")
@@ -86,6 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _int_or_auto(value: str) -> int | str:
     return value if value == "auto" else int(value)
+
+
+def _checkpointing_mode(value: str) -> int | str:
+    return int(value) if value.lstrip("-").isdigit() else value
 
 
 def load_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,7 +135,8 @@ def build_trainer(cfg: dict[str, Any], log_dir: str, history: LossHistory) -> Tr
         else {}
     )
     strategy = HybridStrategy(
-        dp=par["dp"], tp=par["tp"], pp=par["pp"], dp_replicate=par["dp_replicate"], zero=par["zero"], **pipeline
+        dp=par["dp"], tp=par["tp"], pp=par["pp"], dp_replicate=par["dp_replicate"], zero=par["zero"],
+        activation_checkpointing=par["activation_checkpointing"], offload=par["offload"], **pipeline
     )
     return Trainer(
         accelerator=t["accelerator"],

@@ -25,19 +25,60 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> ReferenceFn:
-    """``reference_run(model, dp_size, layers=None)``: the cached result of ``equivalence.py --reference``
-    (``layers`` overrides the model's number of blocks)."""
-    cache: dict[tuple[str, int, int | None], dict[str, Any]] = {}
+    """``reference_run(model, dp_size, layers=None, init="eager")``: the cached result of ``equivalence.py
+    --reference`` (``layers`` overrides the model's number of blocks; ``init`` is ``--init``, ``"per_module"`` being
+    the single-device counterpart of a meta-device model)."""
+    cache: dict[tuple[str, int, int | None, str], dict[str, Any]] = {}
     directory = tmp_path_factory.mktemp("reference")
 
-    def get(model: str, dp_size: int, layers: int | None = None) -> dict[str, Any]:
-        key = (model, dp_size, layers)
+    def get(model: str, dp_size: int, layers: int | None = None, init: str = "eager") -> dict[str, Any]:
+        key = (model, dp_size, layers, init)
         if key not in cache:
-            out = directory / f"{model}_dp{dp_size}_layers{layers}.pt"
-            extra = [] if layers is None else ["--layers", layers]
+            out = directory / f"{model}_dp{dp_size}_layers{layers}_{init}.pt"
+            extra = ["--init", init] + ([] if layers is None else ["--layers", layers])
             cache[key] = run_script(
                 ["--model", model, "--reference", "--dp", dp_size, "--devices", 1, *extra, "--out", out]
             )
         return cache[key]
+
+    return get
+
+
+#: Layouts × strategy options of :func:`meta_init_runs`: a meta-device GPT (4 blocks) materialized by the strategy,
+#: with activation checkpointing modes and CPU offload, under tensor × data and tensor × pipeline parallelism.
+META_INIT_LAYOUTS: dict[str, tuple[list[str | int], list[dict[str, Any]]]] = {
+    "dp2_tp2": (
+        ["--dp", 2, "--tp", 2, "--devices", 4],
+        [{"activation_checkpointing": "every"}, {"offload": True, "activation_checkpointing": "selective"}],
+    ),
+    "tp2_pp2": (
+        ["--tp", 2, "--pp", 2, "--devices", 4],
+        [
+            {"pp_schedule": "interleaved_1f1b", "microbatches": 4, "activation_checkpointing": 2},
+            {"pp_schedule": "interleaved_zero_bubble", "offload": True, "activation_checkpointing": "every"},
+            {"pp_schedule": "1f1b", "activation_checkpointing": "selective"},
+        ],
+    ),
+}
+META_INIT_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def meta_init_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[str, Any]]]:
+    """``meta_init_runs(layout)``: one result per entry of ``META_INIT_LAYOUTS[layout]``, all trained in one launch
+    (shared by the initialization, activation-checkpointing and offload tests)."""
+    from tests.helpers import run_sweep
+
+    cache: dict[str, list[dict[str, Any]]] = {}
+
+    def get(layout: str) -> list[dict[str, Any]]:
+        if layout not in cache:
+            folder = tmp_path_factory.mktemp(f"meta_{layout}")
+            args, entries = META_INIT_LAYOUTS[layout]
+            cache[layout] = run_sweep(
+                ["--model", "gpt", "--init", "meta", "--layers", META_INIT_LAYERS, *args, "--out", folder / "run.pt"],
+                entries,
+            )
+        return cache[layout]
 
     return get

@@ -55,6 +55,9 @@ What is saved (``torch.save`` on global rank 0)
 ``hook_calls``, ``grads_after_backward``, ``learning_rates``  how often ``on_before_backward``,
                   ``on_after_backward`` and ``on_before_optimizer_step`` fired (rank 0), whether every parameter had
                   a gradient in ``on_after_backward``, and the learning rate at each optimizer step.
+``initial_params``  the full state dict when training starts (after the strategy initialized the model).
+``rank_linear_calls``  per rank, how many times an ``nn.Linear`` ran during fit (activation checkpointing's
+                  recomputation calls a block's layers again in backward).
 ``rank_parameter_counts``  per rank, the global element count of the parameters it holds (pipeline stages hold
                   only their own).
 ``global_step``, ``args``, ``world_size``, ``wall_s``.
@@ -159,6 +162,10 @@ class RecordCallback(pl.Callback):
         self.grads_after_backward: list[bool] = []
         self.learning_rates: list[float] = []
         self.rank_parameter_counts: list[int] = []
+        self.initial_params: dict[str, Tensor] = {}
+        self.rank_linear_calls: list[int] = []
+        self._linear_calls = 0
+        self._linear_hooks: list[Any] = []
 
     @staticmethod
     def _scalar(value: Any) -> float:
@@ -192,37 +199,49 @@ class RecordCallback(pl.Callback):
         if not trainer.sanity_checking:
             self.val_losses.append(self._scalar(trainer.callback_metrics["val_loss"]))
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.initial_params, _ = self._full_parameters(pl_module)
+        # Every nn.Linear call during training, recomputations by activation checkpointing included.
+        for module in pl_module.modules():
+            if isinstance(module, torch.nn.Linear):
+                self._linear_hooks.append(module.register_forward_pre_hook(self._count_linear_call))
+
+    def _count_linear_call(self, *_: Any) -> None:
+        self._linear_calls += 1
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for hook in self._linear_hooks:
+            hook.remove()
+        self.rank_linear_calls = _all_gather(self._linear_calls)
+        # Global element counts (a DTensor's numel is its global size): what each rank holds before data sharding.
+        self.rank_parameter_counts = _all_gather(sum(p.numel() for p in pl_module.parameters()))
+        self.params, self.replica_max_abs_diff = self._full_parameters(pl_module)
+
+    @staticmethod
+    def _full_parameters(pl_module: pl.LightningModule) -> tuple[dict[str, Tensor], float]:
+        """The full state dict on rank 0 (empty elsewhere), and the largest difference between ranks holding
+        the same entry."""
         # Collective: every rank must call it. ``full_state_dict`` un-shards FSDP2 and DTensor parameters and
         # unwraps nothing it should not (DDP wraps a different object than ``pl_module``). ``cpu_offload=False``
         # on purpose: with ``cpu_offload=True`` only rank 0 keeps tensors, which would lose parameters that
         # live only on other ranks (pipeline stages). Each rank's dict is gathered and merged on rank 0 instead.
-        # Global element counts (a DTensor's numel is its global size): what each rank holds before data sharding.
-        count = sum(p.numel() for p in pl_module.parameters())
-        distributed = dist.is_available() and dist.is_initialized()
-        counts: list[int] = [0] * dist.get_world_size() if distributed else [count]
-        if distributed:
-            dist.all_gather_object(counts, count)
-        self.rank_parameter_counts = counts
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)
         local = {k: v.detach().cpu().clone() for k, v in get_model_state_dict(pl_module, options=options).items()}
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            self.params = local
-            return
+            return local, 0.0
         world_size = dist.get_world_size()
         gathered: list[dict[str, Tensor]] | None = [{} for _ in range(world_size)] if dist.get_rank() == 0 else None
         dist.gather_object(local, gathered, dst=0)
-        if gathered is None:
-            return
         merged: dict[str, Tensor] = {}
-        for rank_dict in gathered:
+        replica_max_abs_diff = 0.0
+        for rank_dict in gathered or []:
             for name, tensor in rank_dict.items():
                 if name in merged:
                     diff = (merged[name].double() - tensor.double()).abs().max().item() if tensor.numel() else 0.0
-                    self.replica_max_abs_diff = max(self.replica_max_abs_diff, diff)
+                    replica_max_abs_diff = max(replica_max_abs_diff, diff)
                 else:
                     merged[name] = tensor
-        self.params = merged
+        return merged, replica_max_abs_diff
 
 
 class UserParallelModule(LMLightningModule):
@@ -241,6 +260,15 @@ class UserParallelModule(LMLightningModule):
         for block in blocks:
             fully_shard(block, mesh=data_mesh)
         fully_shard(self.model, mesh=data_mesh)
+
+
+def _all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def _gather_to_rank0(value: Any) -> list[Any]:
@@ -279,6 +307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=64, help="training sequences")
     parser.add_argument("--num-val-samples", type=int, default=16, help="validation sequences")
     parser.add_argument("--seed", type=int, default=42, help="model initialisation seed")
+    parser.add_argument("--init", choices=("eager", "meta", "per_module"), default="eager",
+                        help="build the model eagerly in __init__, on the meta device in configure_model, or eagerly"
+                             " in configure_model followed by init_weights (see tests/models.py)")
     parser.add_argument("--layers", type=int, default=None, help="number of blocks (the model's default if unset)")
     parser.add_argument("--precision", default="32-true", help="Lightning precision flag")
     parser.add_argument("--gradient-clip-val", type=float, default=GRADIENT_CLIP_VAL)
@@ -380,7 +411,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
     module = (
         UserParallelModule(args.model, seed=args.seed)
         if args.user_parallel
-        else build_module(args.model, seed=args.seed, config=config)
+        else build_module(args.model, seed=args.seed, config=config, init=args.init)
     )
     train, val = make_dataloaders(args)
     recorder = RecordCallback()
@@ -439,6 +470,8 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "step_losses": step_losses,
             "val_losses": recorder.val_losses,
             "params": recorder.params,
+            "initial_params": recorder.initial_params,
+            "rank_linear_calls": recorder.rank_linear_calls,
             "replica_max_abs_diff": recorder.replica_max_abs_diff,
             "hook_calls": recorder.hook_calls,
             "grads_after_backward": recorder.grads_after_backward,

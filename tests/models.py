@@ -420,6 +420,10 @@ class LMLightningModule(pl.LightningModule):
         warmup_steps: Optimizer steps of linear learning-rate warm-up (a ``LambdaLR`` stepped every step, so a
             strategy that miscounts steps shows up in the numbers).
         config: Overrides of the model's config dataclass fields.
+        init: ``"eager"`` builds the model in ``__init__`` after ``torch.manual_seed(seed)``; ``"meta"`` builds it
+            on the meta device in ``configure_model`` (the strategy materializes and initializes it);
+            ``"per_module"`` builds it eagerly in ``configure_model`` and initializes it with
+            :func:`lightning_hybrid.initialization.init_weights` — what ``"meta"`` must equal on one device.
     """
 
     def __init__(
@@ -431,20 +435,38 @@ class LMLightningModule(pl.LightningModule):
         warmup_steps: int = 3,
         adam_eps: float = 1e-5,
         config: dict[str, Any] | None = None,
+        init: Literal["eager", "meta", "per_module"] = "eager",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        torch.manual_seed(seed)
-        if model == "gpt":
-            self.model: nn.Module = TinyGPT(GPTConfig(**(config or {})))
-        elif model == "llama":
-            self.model = TinyLlama(LlamaConfig(**(config or {})))
-        elif model == "tuple":
-            self.model = TupleBlocksLM(TupleConfig(**(config or {})))
-        elif model == "hf_llama":
-            self.model = hugging_face_llama(config or {})
-        else:
+        if model not in ALL_MODEL_NAMES:
             raise ValueError(f"unknown model {model!r}; expected one of {ALL_MODEL_NAMES}")
+        self.model: nn.Module | None = None
+        torch.manual_seed(seed)  # as seed_everything(seed) would; the strategy initializes meta models from it
+        if init == "eager":
+            self.model = self._build()
+
+    def _build(self) -> nn.Module:
+        model, config = self.hparams.model, self.hparams.config or {}
+        if model == "gpt":
+            return TinyGPT(GPTConfig(**config))
+        if model == "llama":
+            return TinyLlama(LlamaConfig(**config))
+        if model == "tuple":
+            return TupleBlocksLM(TupleConfig(**config))
+        return hugging_face_llama(config)
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return  # built in __init__, or by an earlier fit (Lightning calls this hook again for test/predict)
+        if self.hparams.init == "meta":
+            with torch.device("meta"):
+                self.model = self._build()
+        else:
+            from lightning_hybrid.initialization import init_weights
+
+            self.model = self._build()
+            init_weights(self, self.hparams.seed)
 
     def forward(self, idx: Tensor) -> Tensor:
         output = self.model(idx)

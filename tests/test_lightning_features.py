@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import ReferenceFn
-from tests.helpers import assert_equivalent, run_script
+from tests.helpers import ScriptError, assert_equivalent, run_script
 
 pytestmark = pytest.mark.slow
 DP2_TP2 = ["--dp", 2, "--tp", 2, "--devices", 4]
@@ -56,6 +56,12 @@ def test_module_that_parallelizes_itself_is_left_alone(reference_run: ReferenceF
     result = run_script(["--model", "gpt", "--dp", 2, "--devices", 2, "--user-parallel", "--out", tmp_path / "u.pt"])
     assert result["tp_plan"] == {}
     assert_equivalent(reference_run("gpt", 2), result, rtol=1e-5)
+
+
+def test_offload_needs_the_strategy_to_shard(tmp_path: Path) -> None:
+    with pytest.raises(ScriptError, match=r"offload=, activation_checkpointing=\) are applied while the strategy"):
+        run_script(["--model", "gpt", "--devices", 1, "--user-parallel", "--strategy-kwargs", '{"offload": true}',
+                    "--out", tmp_path / "u.pt"])
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.float32), ("bf16-true", torch.bfloat16)])

@@ -55,6 +55,8 @@ def test_bad_options_fail_at_construction() -> None:
         HybridStrategy(pp=0)
     with pytest.raises(ValueError, match=r"tp=-1\) is invalid"):
         HybridStrategy(tp=-1)
+    with pytest.raises(ValueError, match=r"offload='cpu'\) is invalid: pass True \(CPU offload\) or False"):
+        HybridStrategy(offload="cpu")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
