@@ -58,6 +58,7 @@ What is saved (``torch.save`` on global rank 0)
 ``initial_params``  the full state dict when training starts (after the strategy initialized the model).
 ``rank_linear_calls``  per rank, how many times an ``nn.Linear`` ran during fit (activation checkpointing's
                   recomputation calls a block's layers again in backward).
+``rank_local_parameter_bytes``  per rank, the bytes of parameter data it holds when training starts (its shards).
 ``rank_parameter_counts``  per rank, the global element count of the parameters it holds (pipeline stages hold
                   only their own).
 ``global_step``, ``args``, ``world_size``, ``wall_s``.
@@ -87,6 +88,7 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from torch import Tensor  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
@@ -164,6 +166,7 @@ class RecordCallback(pl.Callback):
         self.rank_parameter_counts: list[int] = []
         self.initial_params: dict[str, Tensor] = {}
         self.rank_linear_calls: list[int] = []
+        self.rank_local_parameter_bytes: list[int] = []
         self._linear_calls = 0
         self._linear_hooks: list[Any] = []
 
@@ -201,6 +204,8 @@ class RecordCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.initial_params, _ = self._full_parameters(pl_module)
+        local = (p.to_local() if isinstance(p, DTensor) else p for p in pl_module.parameters())
+        self.rank_local_parameter_bytes = _all_gather(sum(t.numel() * t.element_size() for t in local))
         # Every nn.Linear call during training, recomputations by activation checkpointing included.
         for module in pl_module.modules():
             if isinstance(module, torch.nn.Linear):
@@ -472,6 +477,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "params": recorder.params,
             "initial_params": recorder.initial_params,
             "rank_linear_calls": recorder.rank_linear_calls,
+            "rank_local_parameter_bytes": recorder.rank_local_parameter_bytes,
             "replica_max_abs_diff": recorder.replica_max_abs_diff,
             "hook_calls": recorder.hook_calls,
             "grads_after_backward": recorder.grads_after_backward,
