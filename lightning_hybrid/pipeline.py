@@ -238,6 +238,12 @@ class _UnitDispatcher:
         self.active: Optional[_ActiveStage] = None
         self._previous_block_output: list[Tensor] = []
 
+    def end_stage(self) -> None:
+        # Drop the last block's output too: kept, it would hold a microbatch's activation until the next stage runs
+        # (measured: one extra residual-stream tensor at the activation peak of a checkpointed last stage).
+        self.active = None
+        self._previous_block_output = []
+
     def call(self, index: int, compute: Optional[Callable[..., Any]], args: tuple, kwargs: dict) -> Any:
         unit = self.split.units[index]
         active = self.active
@@ -401,7 +407,7 @@ class Pipeline:
         except _StageOutput as done:
             return tuple(t for t in tree_flatten(done.output)[0] if isinstance(t, Tensor))
         finally:
-            self._dispatcher.active = None
+            self._dispatcher.end_stage()
         self._microbatch_logs.append(logs)
         self._microbatch_outputs.append(tree_map(_detached, output))
         loss = output.get("loss") if isinstance(output, Mapping) else output
