@@ -21,6 +21,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 from typing_extensions import override
 
@@ -44,6 +46,7 @@ from lightning_hybrid.blocks import capture_block_call, find_block_list
 from lightning_hybrid.initialization import materialize_meta_module
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims, check_degrees
 from lightning_hybrid.parallelize import apply_tensor_parallel
+from lightning_hybrid.resume import SamplerEpochOnResume
 from lightning_hybrid.pipeline import Pipeline, PipelineSchedule, make_shadows, muted_logs
 from lightning_hybrid.precision import HybridHalfPrecision, HybridPrecision, precision_plugin_for
 from lightning_hybrid.sharding import FSDPOptions, apply_fsdp, check_zero_level, mixed_precision_policy
@@ -135,6 +138,13 @@ class HybridStrategy(ModelParallelStrategy):
             self.pp_schedule = PipelineSchedule.resolve(pp_schedule, pp, virtual_stages, microbatches)
         elif microbatches is not None or virtual_stages is not None or pp_split is not None:
             raise ValueError("HybridStrategy(microbatches=, virtual_stages=, pp_split=) are pipeline options: set pp > 1.")
+        if pp > 1 and not save_distributed_checkpoint:
+            # Lightning's consolidated save gathers on global rank 0, which holds only the first stage.
+            raise ValueError(
+                "HybridStrategy(pp > 1, save_distributed_checkpoint=False) would write only the first pipeline"
+                " stage's parameters into the consolidated file. Keep save_distributed_checkpoint=True (one DCP shard"
+                " per rank, loadable under any layout)."
+            )
         self._pp_split = pp_split
         self._zero = check_zero_level(_zero_level(zero, self.pp_schedule))
         #: Which blocks are activation-checkpointed (``None``: none).
@@ -199,6 +209,8 @@ class HybridStrategy(ModelParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        if not any(isinstance(callback, SamplerEpochOnResume) for callback in trainer.callbacks):
+            trainer.callbacks.append(SamplerEpochOnResume())
         if not _already_parallel(self.model):
             self._parallelize(trainer)
         elif not self._parallelized_here:
@@ -380,6 +392,14 @@ class HybridStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------------------------------- checkpoints
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        assert self.model is not None
+        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER_STATE)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         if not self._save_distributed_checkpoint or storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -407,9 +427,9 @@ class HybridStrategy(ModelParallelStrategy):
         self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
-            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER_STATE)}
             load_sharded(optimizer_state, path)
-            set_optimizer_state_dict(self.model, optimizer, optimizer_state[key], options=StateDictOptions(cpu_offload=True))
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state[key], options=_FLAT_OPTIMIZER_STATE)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     # ------------------------------------------------------------------------------------------- collectives
@@ -429,6 +449,12 @@ class HybridStrategy(ModelParallelStrategy):
         flag = torch.tensor(int(decision), device=self.root_device)
         flag = super().reduce(flag, group=_group.WORLD, reduce_op=ReduceOp.SUM)
         return bool(flag == self.world_size) if all else bool(flag)
+
+
+#: Optimizer state keyed per parameter name (``state.<name>.<key>``, ``param_groups.<name>.<key>``), not per group:
+#: pipeline ranks hold different parameters, so one group's list of names differs between ranks and would be
+#: saved from one rank only; per-name keys are unique and load under any other layout or stage split.
+_FLAT_OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 
 
 _STANDALONE_PACKAGE_MESSAGE = (

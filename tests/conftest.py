@@ -8,11 +8,12 @@ and therefore the reference numbers, depend only on those two (see ``tests/equiv
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import run_script
+from tests.helpers import cached_runs, run_script, run_sweep
 
 ReferenceFn = Callable[..., dict[str, Any]]
 
@@ -67,18 +68,11 @@ META_INIT_LAYERS = 4
 def meta_init_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[str, Any]]]:
     """``meta_init_runs(layout)``: one result per entry of ``META_INIT_LAYOUTS[layout]``, all trained in one launch
     (shared by the initialization, activation-checkpointing and offload tests)."""
-    from tests.helpers import run_sweep
+    def run(layout: str, folder: Path) -> list[dict[str, Any]]:
+        args, entries = META_INIT_LAYOUTS[layout]
+        return run_sweep(
+            ["--model", "gpt", "--init", "meta", "--layers", META_INIT_LAYERS, *args, "--out", folder / "run.pt"],
+            entries,
+        )
 
-    cache: dict[str, list[dict[str, Any]]] = {}
-
-    def get(layout: str) -> list[dict[str, Any]]:
-        if layout not in cache:
-            folder = tmp_path_factory.mktemp(f"meta_{layout}")
-            args, entries = META_INIT_LAYOUTS[layout]
-            cache[layout] = run_sweep(
-                ["--model", "gpt", "--init", "meta", "--layers", META_INIT_LAYERS, *args, "--out", folder / "run.pt"],
-                entries,
-            )
-        return cache[layout]
-
-    return get
+    return cached_runs(run, tmp_path_factory, "meta")

@@ -11,13 +11,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from tests.equivalence import sweep_out
+
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "tests" / "equivalence.py"
@@ -226,3 +228,16 @@ def assert_equivalent(ref: dict[str, Any], par: dict[str, Any], rtol: float = 1e
     if problems:
         raise AssertionError("parallel run is not equivalent to the reference:\n  " + "\n  ".join(problems))
     return report
+
+
+def cached_runs(make: Callable[[str, Path], T], folders: Any, prefix: str) -> Callable[[str], T]:
+    """``get(key)`` = ``make(key, fresh folder)``, computed once per key: module- or session-scoped fixtures
+    share one launch between tests. ``folders`` is pytest's ``tmp_path_factory``."""
+    cache: dict[str, T] = {}
+
+    def get(key: str) -> T:
+        if key not in cache:
+            cache[key] = make(key, folders.mktemp(f"{prefix}_{key}"))
+        return cache[key]
+
+    return get

@@ -20,26 +20,19 @@ pytestmark = pytest.mark.slow
 DP2_TP2 = ["--dp", 2, "--tp", 2, "--devices", 4]
 
 
-@pytest.mark.parametrize("distributed", [True, False], ids=["sharded", "consolidated"])
-def test_resume_matches_single_process_resume(distributed: bool, tmp_path: Path) -> None:
-    # Save a checkpoint at the end of epoch 0 (step 4 of 6), then resume in a new process group. Sharded: one DCP
-    # shard per rank; consolidated: one file written by rank 0 (save_distributed_checkpoint=False).
-    layout = [*DP2_TP2, "--strategy-kwargs", json.dumps({"save_distributed_checkpoint": distributed})]
-    run_script(["--model", "gpt", *layout, "--checkpoint-dir", tmp_path / "hybrid", "--out", tmp_path / "a.pt"])
-    run_script(["--model", "gpt", "--reference", "--dp", 2, "--checkpoint-dir", tmp_path / "single",
-                "--out", tmp_path / "ra.pt"])
-    hybrid_ckpt = tmp_path / "hybrid" / "epoch=0-step=4.ckpt"
-    if distributed:
-        assert sorted(p.suffix for p in hybrid_ckpt.iterdir()).count(".distcp") == 4  # one shard file per rank
-    else:
-        assert hybrid_ckpt.is_file()
-    resumed = run_script(["--model", "gpt", *layout, "--ckpt-path", hybrid_ckpt, "--out", tmp_path / "b.pt"])
-    single = run_script(["--model", "gpt", "--reference", "--dp", 2,
-                         "--ckpt-path", tmp_path / "single" / "epoch=0-step=4.ckpt", "--out", tmp_path / "rb.pt"])
-    assert len(resumed["losses"]) == 4  # steps 5 and 6, two micro-batches each
-    # Parameters (whole heads of the fused qkv included), AdamW moments, step counts, learning rate and scheduler
-    # must all come back: any one missing changes the first update after the resume.
-    assert_equivalent(single, resumed, rtol=1e-5)
+def test_consolidated_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+    # save_distributed_checkpoint=False: one file written by rank 0, loaded into every rank's shards (fused qkv
+    # heads included). Saved at the end of epoch 0 (step 4 of 6); the resumed run trains steps 5 and 6 in new
+    # processes and must reproduce the uninterrupted run bit for bit. (Sharded checkpoints: tests/test_checkpoint.py.)
+    layout = [*DP2_TP2, "--strategy-kwargs", json.dumps({"save_distributed_checkpoint": False})]
+    uninterrupted = run_script(["--model", "gpt", *layout, "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "a.pt"])
+    checkpoint = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    assert checkpoint.is_file()
+    resumed = run_script(["--model", "gpt", *layout, "--ckpt-path", checkpoint, "--out", tmp_path / "b.pt"])
+    assert resumed["losses"] == uninterrupted["losses"][-4:]  # steps 5 and 6, two micro-batches each
+    assert resumed["learning_rates"] == uninterrupted["learning_rates"][-2:]
+    for name, tensor in uninterrupted["params"].items():
+        assert torch.equal(resumed["params"][name], tensor), name
 
 
 def test_checkpoint_and_early_stopping_decide_alike_on_every_rank(tmp_path: Path) -> None:

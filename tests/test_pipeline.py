@@ -17,7 +17,7 @@ import torch
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.pipeline import SCHEDULES, PipelineSchedule, _check_batch, _combine_logs
 from tests.conftest import ReferenceFn
-from tests.helpers import assert_equivalent, run_script, run_sweep
+from tests.helpers import assert_equivalent, cached_runs, run_script, run_sweep
 from tests.models import MODEL_NAMES, PIPELINE_MODEL_NAMES
 
 RTOL = 1e-5
@@ -124,22 +124,18 @@ def _pipeline_run(tmp_path: Path, model: str, *, pp: int, layers: int = LAYERS, 
 @pytest.fixture(scope="module")
 def pp2_runs(tmp_path_factory: pytest.TempPathFactory):
     """``pp2_runs(model)``: one pp=2 run per schedule, all in one launch of two processes (cached per model)."""
-    cache: dict[str, dict[str, dict]] = {}
 
-    def get(model: str) -> dict[str, dict]:
-        if model not in cache:
-            folder = tmp_path_factory.mktemp(f"pp2_{model}")
-            results = run_sweep(
-                ["--model", model, "--pp", 2, "--devices", 2, "--layers", LAYERS,
-                 "--tensorboard", folder / "tb", "--out", folder / "run.pt"],
-                [_pp2_entry(model, schedule) for schedule in SCHEDULES],
-            )
-            cache[model] = {schedule: result for schedule, result in zip(SCHEDULES, results)}
-            for index, schedule in enumerate(SCHEDULES):
-                cache[model][schedule]["tensorboard"] = folder / "tb" / str(index) / "version_0"
-        return cache[model]
+    def run(model: str, folder: Path) -> dict[str, dict]:
+        results = run_sweep(
+            ["--model", model, "--pp", 2, "--devices", 2, "--layers", LAYERS,
+             "--tensorboard", folder / "tb", "--out", folder / "run.pt"],
+            [_pp2_entry(model, schedule) for schedule in SCHEDULES],
+        )
+        for index, result in enumerate(results):
+            result["tensorboard"] = folder / "tb" / str(index) / "version_0"
+        return dict(zip(SCHEDULES, results))
 
-    return get
+    return cached_runs(run, tmp_path_factory, "pp2")
 
 
 def _pp2_entry(model: str, schedule: str) -> dict:

@@ -113,3 +113,8 @@ def test_clip_grad_norm_over_plain_tensors_matches_torch() -> None:
     for p, q in zip(ours, theirs):
         assert torch.allclose(p.grad, q.grad)
     assert float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ours]))) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_consolidated_checkpoints_are_refused_with_pipelining() -> None:
+    with pytest.raises(ValueError, match=r"would write only the first pipeline stage's parameters"):
+        HybridStrategy(pp=2, save_distributed_checkpoint=False)
