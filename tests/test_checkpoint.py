@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from lightning_hybrid.export import export_checkpoint
 from tests.helpers import cached_runs, relative_difference, run_script
 
 pytestmark = pytest.mark.slow
@@ -58,6 +60,12 @@ def test_resume_in_new_processes_is_bit_exact_for_a_3d_layout(uninterrupted, tmp
     assert sorted(p.suffix for p in checkpoint.iterdir()).count(".distcp") == 8  # one shard file per rank
     resumed = _resume("dp2_tp2_pp2", checkpoint, tmp_path / "resumed.pt")
     assert _differences(source, resumed) == (0.0, 0.0)
+    # Exported to one file in one process: the unmodified module's state dict, equal to what the resumed ranks
+    # loaded (fused qkv rows in their original order, both pipeline stages).
+    exported = torch.load(export_checkpoint(checkpoint, tmp_path / "model.ckpt"), weights_only=False)["state_dict"]
+    assert exported.keys() == resumed["initial_params"].keys()
+    for name, tensor in resumed["initial_params"].items():
+        assert torch.equal(exported[name], tensor), name
 
 
 @pytest.mark.parametrize(("source", "target"), [("dp2_tp2_pp2", "tp2_pp2"), ("dp2_tp2", "dp4"), ("dp2_tp2", "pp4")])
