@@ -37,6 +37,24 @@ from torch.optim import Optimizer
 
 from lightning_hybrid.mesh import TENSOR
 
+#: The part of a sharded checkpoint holding the LightningModule's parameters and buffers (then ``optimizer_<i>``).
+MODULE_STATE_KEY = "state_dict"
+
+
+def saved_module_keys(path: Path) -> set[str]:
+    """The parameter and buffer names stored in a sharded checkpoint (from its metadata, reading no tensor)."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    prefix = MODULE_STATE_KEY + "."
+    return {key[len(prefix):] for key in metadata.state_dict_metadata if key.startswith(prefix)}
+
+
+def key_mismatch_message(path: object, missing: set[str], unexpected: set[str]) -> str:
+    return (
+        f"The checkpoint {path} does not match the model: missing keys {sorted(missing)}, unexpected keys"
+        f" {sorted(unexpected)}. Is it from another model? (Set `strict_loading = False` on the LightningModule"
+        " to load the keys both have.)"
+    )
+
 
 def save_sharded(state: dict[str, Any], path: Path) -> None:
     """Write ``state`` (nested dicts of tensors and objects) as a DCP checkpoint folder."""
@@ -163,15 +181,16 @@ def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
     target.to_local().copy_(local)
 
 
-def load_full(model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], strict: bool) -> None:
+def load_full(
+    model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], strict: bool, path: object = "the file"
+) -> None:
     """Load a consolidated Lightning checkpoint (``save_distributed_checkpoint=False``) into the sharded model and
     optimizers, in place."""
     model_state = get_model_state_dict(model)
     saved = checkpoint.pop("state_dict")
     missing, unexpected = model_state.keys() - saved.keys(), saved.keys() - model_state.keys()
     if strict and (missing or unexpected):
-        raise KeyError(f"Checkpoint does not match the model: missing keys {sorted(missing)}, unexpected keys"
-                       f" {sorted(unexpected)}.")
+        raise KeyError(key_mismatch_message(path, missing, unexpected))
     with torch.no_grad():
         for name in model_state.keys() & saved.keys():
             copy_full_into(model_state[name], saved[name].to(model_state[name].device))

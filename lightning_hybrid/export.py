@@ -33,8 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-#: The part of a sharded checkpoint holding the LightningModule's parameters and buffers.
-MODULE_STATE_KEY = "state_dict"
+from lightning_hybrid.checkpoint import MODULE_STATE_KEY
 
 
 def load_module_state(checkpoint: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,7 +42,14 @@ from torch.utils._pytree import tree_map
 from typing_extensions import override
 
 from lightning_hybrid.activation_checkpointing import ActivationCheckpointing, CheckpointPlan, apply_activation_checkpointing
-from lightning_hybrid.checkpoint import load_full, load_sharded, save_sharded
+from lightning_hybrid.checkpoint import (
+    MODULE_STATE_KEY,
+    key_mismatch_message,
+    load_full,
+    load_sharded,
+    save_sharded,
+    saved_module_keys,
+)
 from lightning_hybrid.blocks import capture_block_call, find_block_list
 from lightning_hybrid.initialization import materialize_meta_module
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims, check_degrees
@@ -407,7 +415,7 @@ class HybridStrategy(ModelParallelStrategy):
         if path.is_file():
             path.unlink()
         path.mkdir(parents=True, exist_ok=True)
-        shards = {"state_dict": checkpoint.pop("state_dict")}
+        shards = {MODULE_STATE_KEY: checkpoint.pop("state_dict")}
         shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
         save_sharded(shards, path)
         if self.global_rank == 0:
@@ -420,17 +428,40 @@ class HybridStrategy(ModelParallelStrategy):
         if not _is_sharded_checkpoint(path):
             # Memory-mapped: every rank reads only the slices it keeps, not a private copy of the whole file.
             checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-            load_full(self.model, self.optimizers, checkpoint, strict=self.lightning_module.strict_loading)
+            load_full(self.model, self.optimizers, checkpoint, strict=self.lightning_module.strict_loading, path=path)
             return checkpoint
-        module_state = {"state_dict": get_model_state_dict(self.model)}
-        load_sharded(module_state, path)
-        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
+        try:
+            self._load_sharded(path)
+            return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        except KeyError:
+            raise
+        # DCP gathers every rank's read errors into a CheckpointException (a BaseException) raised on all ranks.
+        except (Exception, CheckpointException) as error:
+            lines = str(error).strip().splitlines() or [""]
+            cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+            raise RuntimeError(
+                f"Could not read the checkpoint {path}: {type(error).__name__}: {cause}. The checkpoint is incomplete"
+                " or corrupted (e.g. a save that was interrupted); resume from an earlier one. Nothing was written."
+            ) from error
+
+    def _load_sharded(self, path: Path) -> None:
+        assert self.model is not None and self.lightning_module is not None
+        saved = saved_module_keys(path)
+        module_state = get_model_state_dict(self.model)
+        # Pipeline ranks hold different parameters: compare the checkpoint with the whole model's names.
+        held: list[set[str]] = [set() for _ in range(self.world_size)]
+        torch.distributed.all_gather_object(held, set(module_state))
+        missing, unexpected = set().union(*held) - saved, saved - set().union(*held)
+        if self.lightning_module.strict_loading and (missing or unexpected):
+            raise KeyError(key_mismatch_message(path, missing, unexpected))
+        module_state = {name: value for name, value in module_state.items() if name in saved}
+        load_sharded({MODULE_STATE_KEY: module_state}, path)
+        self.model.load_state_dict(module_state, strict=False)
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER_STATE)}
             load_sharded(optimizer_state, path)
             set_optimizer_state_dict(self.model, optimizer, optimizer_state[key], options=_FLAT_OPTIMIZER_STATE)
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     # ------------------------------------------------------------------------------------------- collectives
     @override

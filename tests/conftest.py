@@ -57,7 +57,6 @@ META_INIT_LAYOUTS: dict[str, tuple[list[str | int], list[dict[str, Any]]]] = {
         [
             {"pp_schedule": "interleaved_1f1b", "microbatches": 4, "activation_checkpointing": 2},
             {"pp_schedule": "interleaved_zero_bubble", "offload": True, "activation_checkpointing": "every"},
-            {"pp_schedule": "1f1b", "activation_checkpointing": "selective"},
         ],
     ),
 }
@@ -76,3 +75,27 @@ def meta_init_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         )
 
     return cached_runs(run, tmp_path_factory, "meta")
+
+
+#: Layouts of :func:`uninterrupted` runs and of the runs resuming from their checkpoints (``tests/test_checkpoint.py``).
+CHECKPOINTED_LAYOUTS: dict[str, list[str | int]] = {
+    "dp2_tp2_pp2": ["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8],
+    "tp2_pp2": ["--tp", 2, "--pp", 2, "--devices", 4],
+    "dp2_tp2": ["--dp", 2, "--tp", 2, "--devices", 4],
+    "dp4": ["--dp", 4, "--devices", 4],
+    "pp4": ["--pp", 4, "--devices", 4],
+}
+CHECKPOINTED_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[dict[str, Any], Path]]:
+    """``uninterrupted(layout)``: (result, checkpoint folder) of a 6-step GPT run (4 blocks) that saved a sharded
+    checkpoint at the end of epoch 0 (step 4). Shared: the 8-rank run is also the pipeline tests' 3D GPT run."""
+
+    def run(layout: str, folder: Path) -> tuple[dict[str, Any], Path]:
+        result = run_script(["--model", "gpt", "--layers", CHECKPOINTED_LAYERS, *CHECKPOINTED_LAYOUTS[layout],
+                             "--checkpoint-dir", folder / "checkpoints", "--out", folder / "run.pt"])
+        return result, folder / "checkpoints" / "epoch=0-step=4.ckpt"
+
+    return cached_runs(run, tmp_path_factory, "uninterrupted")

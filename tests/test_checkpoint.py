@@ -9,40 +9,20 @@ of a global batch is the same set of samples for every data-parallel size, see `
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from lightning_hybrid.export import export_checkpoint
-from tests.helpers import cached_runs, relative_difference, run_script
+from tests.conftest import CHECKPOINTED_LAYERS, CHECKPOINTED_LAYOUTS
+from tests.helpers import ScriptError, relative_difference, run_script
 
 pytestmark = pytest.mark.slow
 
-LAYERS = 4
-CHECKPOINT = "epoch=0-step=4.ckpt"
-LAYOUTS = {
-    "dp2_tp2_pp2": ["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8],
-    "tp2_pp2": ["--tp", 2, "--pp", 2, "--devices", 4],
-    "dp2_tp2": ["--dp", 2, "--tp", 2, "--devices", 4],
-    "dp4": ["--dp", 4, "--devices", 4],
-    "pp4": ["--pp", 4, "--devices", 4],
-}
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
-    """``uninterrupted(layout)``: (result, checkpoint folder) of a 6-step run that saved at step 4 (cached)."""
-
-    def run(layout: str, folder: Path) -> tuple[dict, Path]:
-        result = run_script(["--model", "gpt", "--layers", LAYERS, *LAYOUTS[layout],
-                             "--checkpoint-dir", folder / "checkpoints", "--out", folder / "run.pt"])
-        return result, folder / "checkpoints" / CHECKPOINT
-
-    return cached_runs(run, tmp_path_factory, "source")
-
-
 def _resume(layout: str, checkpoint: Path, out: Path) -> dict:
-    return run_script(["--model", "gpt", "--layers", LAYERS, *LAYOUTS[layout], "--ckpt-path", checkpoint, "--out", out])
+    return run_script(["--model", "gpt", "--layers", CHECKPOINTED_LAYERS, *CHECKPOINTED_LAYOUTS[layout],
+                       "--ckpt-path", checkpoint, "--out", out])
 
 
 def _differences(uninterrupted: dict, resumed: dict) -> tuple[float, float]:
@@ -80,3 +60,26 @@ def test_resume_under_another_layout_continues_the_same_training(
     print(f"{source} -> {target}: losses max rel {losses:.2e}, params max rel {params:.2e}")
     assert losses <= 1e-5 and params <= 1e-5
 
+
+
+def test_checkpoint_of_another_model_is_refused_with_the_key_lists(uninterrupted, tmp_path: Path) -> None:
+    _, checkpoint = uninterrupted("dp2_tp2")
+    with pytest.raises(ScriptError, match=r"does not match the model: missing keys \['model.layers.0.attention"
+                                          r".*unexpected keys \['model.blocks.0.attn.proj.bias'"):
+        run_script(["--model", "llama", *CHECKPOINTED_LAYOUTS["dp2_tp2"], "--ckpt-path", checkpoint, "--out", tmp_path / "x.pt"])
+
+
+def test_truncated_shard_is_reported_on_every_rank_and_left_untouched(uninterrupted, tmp_path: Path) -> None:
+    _, checkpoint = uninterrupted("dp2_tp2")
+    damaged = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, damaged)
+    shard = damaged / "__3_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = {p.name: p.read_bytes() for p in damaged.iterdir()}
+    with pytest.raises(ScriptError, match=r"ranks \[0, 1, 2, 3\] failed") as failure:
+        _resume("dp2_tp2", damaged, tmp_path / "x.pt")
+    assert str(failure.value).count("is incomplete or corrupted") >= 1
+    for rank in range(4):
+        log = (tmp_path / f"x.rank{rank}.log").read_text()
+        assert f"Could not read the checkpoint {damaged}" in log, rank
+    assert {p.name: p.read_bytes() for p in damaged.iterdir()} == before
