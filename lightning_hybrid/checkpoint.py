@@ -16,6 +16,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,6 +41,28 @@ from lightning_hybrid.mesh import TENSOR
 
 #: The part of a sharded checkpoint holding the LightningModule's parameters and buffers (then ``optimizer_<i>``).
 MODULE_STATE_KEY = "state_dict"
+
+
+def partial_checkpoint_path(path: Path) -> Path:
+    """Where a checkpoint is written before it is complete."""
+    return path.with_name(f"{path.name}.partial")
+
+
+def publish_checkpoint(partial: Path, path: Path) -> None:
+    """Give a complete checkpoint folder its final name, replacing an older checkpoint of that name (file or
+    folder). Renames are atomic, so ``path`` is always either the old complete checkpoint or the new one; only a
+    crash between the two renames leaves the old one under ``<name>.replaced`` (and the new one complete)."""
+    if path.exists():
+        replaced = path.with_name(f"{path.name}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(path, replaced)
+        os.replace(partial, path)
+        if replaced.is_dir():
+            shutil.rmtree(replaced)
+        else:
+            replaced.unlink()
+    else:
+        os.replace(partial, path)
 
 
 def saved_module_keys(path: Path) -> set[str]:

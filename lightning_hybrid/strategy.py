@@ -8,6 +8,7 @@ come from Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrateg
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +48,8 @@ from lightning_hybrid.checkpoint import (
     key_mismatch_message,
     load_full,
     load_sharded,
+    partial_checkpoint_path,
+    publish_checkpoint,
     save_sharded,
     saved_module_keys,
 )
@@ -411,15 +414,21 @@ class HybridStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         if not self._save_distributed_checkpoint or storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        # Written under a temporary name and renamed when complete: a crash mid-save leaves only `<name>.partial`,
+        # which neither a path nor ckpt_path="last" (ModelCheckpoint's last*.ckpt) ever resolves to.
         path = Path(self.broadcast(filepath))
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
+        partial = partial_checkpoint_path(path)
+        if self.global_rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # left by an earlier save that crashed
+            partial.mkdir(parents=True)
+        self.barrier()
         shards = {MODULE_STATE_KEY: checkpoint.pop("state_dict")}
         shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        save_sharded(shards, path)
+        save_sharded(shards, partial)  # returns once every rank's shard and the DCP metadata are written
         if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
+            torch.save(checkpoint, partial / _METADATA_FILENAME)
+            publish_checkpoint(partial, path)
+        self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -167,6 +168,7 @@ class RecordCallback(pl.Callback):
         self.initial_params: dict[str, Tensor] = {}
         self.rank_linear_calls: list[int] = []
         self.rank_local_parameter_bytes: list[int] = []
+        self.start_step = 0
         self._linear_calls = 0
         self._linear_hooks: list[Any] = []
 
@@ -203,6 +205,7 @@ class RecordCallback(pl.Callback):
             self.val_losses.append(self._scalar(trainer.callback_metrics["val_loss"]))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_step = trainer.global_step
         self.initial_params, _ = self._full_parameters(pl_module)
         local = (p.to_local() if isinstance(p, DTensor) else p for p in pl_module.parameters())
         self.rank_local_parameter_bytes = _all_gather(sum(t.numel() * t.element_size() for t in local))
@@ -267,6 +270,44 @@ class UserParallelModule(LMLightningModule):
         fully_shard(self.model, mesh=data_mesh)
 
 
+class KillAtStep(pl.Callback):
+    """SIGKILL this process when optimizer step ``step`` starts (a rank crashing mid-training)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            _die()
+
+
+def _die() -> None:
+    print(f"kill switch: SIGKILL at {time.time():.3f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_switch(spec: str) -> pl.Callback:
+    """The ``--kill RANK:WHERE:N`` callback for this rank (a no-op on the others)."""
+    rank, where, count = spec.split(":")
+    if int(os.environ.get("RANK", 0)) != int(rank):
+        return pl.Callback()
+    if where == "step":
+        return KillAtStep(int(count))
+    # Die when the N-th checkpoint save starts on this rank, while the other ranks are writing theirs.
+    import lightning_hybrid.strategy as strategy_module
+
+    original, calls = strategy_module.save_sharded, [0]
+
+    def save_sharded(*save_args: Any, **save_kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] == int(count):
+            _die()
+        original(*save_args, **save_kwargs)
+
+    strategy_module.save_sharded = save_sharded
+    return pl.Callback()
+
+
 def _all_gather(value: Any) -> list[Any]:
     """Every rank's ``value``, on every rank."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -283,14 +324,6 @@ def _gather_to_rank0(value: Any) -> list[Any]:
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(value, gathered, dst=0)
     return gathered or []
-
-
-def _checkpoint_step(path: Path | None) -> int:
-    """The optimizer step a Lightning checkpoint was saved at (0 when not resuming)."""
-    if path is None:
-        return 0
-    meta = path / "meta.pt" if path.is_dir() else path
-    return int(torch.load(meta, weights_only=False)["global_step"])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -319,7 +352,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", default="32-true", help="Lightning precision flag")
     parser.add_argument("--gradient-clip-val", type=float, default=GRADIENT_CLIP_VAL)
     parser.add_argument("--checkpoint-dir", type=Path, help="save a sharded checkpoint at every epoch end here")
-    parser.add_argument("--ckpt-path", type=Path, help="resume from this checkpoint")
+    parser.add_argument("--ckpt-path", help='resume from this checkpoint ("last": the newest last*.ckpt there)')
+    parser.add_argument("--kill", metavar="RANK:WHERE:N",
+                        help="SIGKILL rank RANK at the start of optimizer step N (WHERE=step) or when it starts its"
+                             " N-th checkpoint save (WHERE=save), to test crash handling")
     parser.add_argument("--monitor", action="store_true",
                         help="add ModelCheckpoint(monitor='val_loss') and EarlyStopping; record each rank's decisions")
     parser.add_argument("--user-parallel", action="store_true",
@@ -422,7 +458,11 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
     recorder = RecordCallback()
     callbacks: list[pl.Callback] = [recorder]
     if args.checkpoint_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_epochs=1, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_epochs=1, save_top_k=-1, save_last=True)
+        )
+    if args.kill:
+        callbacks.append(kill_switch(args.kill))
     if args.monitor:
         # Any positive val_loss counts as diverged: stop at the first validation, on every rank or none.
         callbacks += [ModelCheckpoint(dirpath=args.out.parent / "best", monitor="val_loss", save_top_k=1),
@@ -445,6 +485,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
         callbacks=callbacks,
     )
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.ckpt_path)
+    resumed_from = Path(trainer.ckpt_path) if trainer.ckpt_path else None  # "last" resolved; test() resets it
     decisions = _gather_to_rank0({
         "global_step": trainer.global_step,
         "should_stop": trainer.should_stop,
@@ -456,7 +497,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
     predictions = trainer.predict(module, dataloaders=val)
 
     if trainer.global_rank == 0:
-        first_step = _checkpoint_step(args.ckpt_path)
+        first_step = recorder.start_step  # the resumed checkpoint's step (0 for a fresh run)
         expected = (args.steps - first_step) * ACCUMULATE_GRAD_BATCHES
         if not args.monitor and (fit_step != args.steps or len(recorder.losses) != expected):
             raise RuntimeError(
@@ -484,6 +525,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "learning_rates": recorder.learning_rates,
             "rank_parameter_counts": recorder.rank_parameter_counts,
             "global_step": fit_step,
+            "resumed_from": str(resumed_from) if resumed_from else None,
             "rank_decisions": decisions,
             "test_loss": float(test_loss),
             "prediction_shapes": [tuple(p.shape) for p in predictions],
