@@ -16,7 +16,6 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -434,14 +433,16 @@ class HybridStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
-        if not _is_sharded_checkpoint(path):
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint {path} does not exist.")
+        try:
+            if path.is_dir():
+                self._load_sharded(path)
+                return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
             # Memory-mapped: every rank reads only the slices it keeps, not a private copy of the whole file.
             checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
             load_full(self.model, self.optimizers, checkpoint, strict=self.lightning_module.strict_loading, path=path)
             return checkpoint
-        try:
-            self._load_sharded(path)
-            return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
         except KeyError:
             raise
         # DCP gathers every rank's read errors into a CheckpointException (a BaseException) raised on all ranks.

@@ -61,6 +61,8 @@ What is saved (``torch.save`` on global rank 0)
 ``rank_local_parameter_bytes``  per rank, the bytes of parameter data it holds when training starts (its shards).
 ``rank_parameter_counts``  per rank, the global element count of the parameters it holds (pipeline stages hold
                   only their own).
+``resumed_from``, ``checkpoint_seconds``  the checkpoint fit resumed from (``--ckpt-path last`` resolved) and rank 0's
+                  wall seconds per checkpoint save and load.
 ``global_step``, ``args``, ``world_size``, ``wall_s``.
 """
 
@@ -308,6 +310,22 @@ def kill_switch(spec: str) -> pl.Callback:
     return pl.Callback()
 
 
+def _time_checkpoint_io(strategy: Any) -> dict[str, list[float]]:
+    """Wall seconds of each checkpoint save and load on this rank (recorded into the returned lists)."""
+    seconds: dict[str, list[float]] = {"save": [], "load": []}
+    for kind in seconds:
+        method = getattr(strategy, f"{kind}_checkpoint")
+
+        def timed(*call_args: Any, _method: Any = method, _kind: str = kind, **call_kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = _method(*call_args, **call_kwargs)
+            seconds[_kind].append(time.perf_counter() - start)
+            return result
+
+        setattr(strategy, f"{kind}_checkpoint", timed)
+    return seconds
+
+
 def _all_gather(value: Any) -> list[Any]:
     """Every rank's ``value``, on every rank."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -484,6 +502,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
         deterministic=True,
         callbacks=callbacks,
     )
+    checkpoint_seconds = _time_checkpoint_io(trainer.strategy)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.ckpt_path)
     resumed_from = Path(trainer.ckpt_path) if trainer.ckpt_path else None  # "last" resolved; test() resets it
     decisions = _gather_to_rank0({
@@ -526,6 +545,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "rank_parameter_counts": recorder.rank_parameter_counts,
             "global_step": fit_step,
             "resumed_from": str(resumed_from) if resumed_from else None,
+            "checkpoint_seconds": checkpoint_seconds,
             "rank_decisions": decisions,
             "test_loss": float(test_loss),
             "prediction_shapes": [tuple(p.shape) for p in predictions],
