@@ -109,7 +109,8 @@ class HybridStrategy(ModelParallelStrategy):
         verify_tp_plan: Run one block unsharded and sharded at setup and refuse a plan whose outputs differ.
         save_distributed_checkpoint: One DCP shard per rank (``True``) or one consolidated file on rank 0.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
-        timeout: Timeout of collective operations.
+        timeout: Timeout of collective operations: also how long the other ranks can wait on a rank that vanished
+            without closing its connections (a killed process's closed connections end the job at once).
     """
 
     strategy_name = "hybrid"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning_hybrid.export import export_checkpoint
+from lightning_hybrid.export import export_checkpoint, load_module_state
 from tests.conftest import CHECKPOINTED_LAYERS, CHECKPOINTED_LAYOUTS
 from tests.helpers import ScriptError, relative_difference, run_script
 
@@ -59,6 +59,11 @@ def test_resume_under_another_layout_continues_the_same_training(
     unmodified module's parameter names and global shapes, so any layout reads its own shards of it."""
     result, checkpoint = uninterrupted(source)
     resumed = _resume(target, checkpoint, tmp_path / "resumed.pt")
+    # The target layout loaded exactly the saved parameters ...
+    saved = load_module_state(checkpoint)
+    for name, tensor in resumed["initial_params"].items():
+        assert torch.equal(saved[name], tensor), name
+    # ... and the optimizer state with them: the continued training is the uninterrupted one up to rounding.
     losses, params = _differences(result, resumed)
     print(f"{source} -> {target}: losses max rel {losses:.2e}, params max rel {params:.2e}")
     assert losses <= 1e-5 and params <= 1e-5
