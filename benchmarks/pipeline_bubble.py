@@ -1,18 +1,21 @@
-"""Measure the pipeline bubble of HybridStrategy's schedules and print it next to the theory.
+"""Measure the pipeline bubble of every HybridStrategy schedule and print it next to the theory.
 
-The bubble is the idle share of the pipeline's device time in a step: ``1 - Σ busy / (p · T)``, where ``busy`` is
-the time a rank spends in its stages' forward and backward compute, and ``T`` runs from the first rank entering
-the schedule step to the last one leaving it (ranks start and finish a step at different times, so per-rank step
-windows would hide the fill and drain). Theory for GPipe and 1F1B with equal stages: ``(p - 1) / (m + p - 1)``.
+The bubble is what ``ParallelMonitor`` logs as ``pipeline/bubble``: each rank records its stages' compute actions
+during a step (``Pipeline.record_timeline``); all ranks leave a step together (its closing broadcast), so the
+pipeline's step lasts the longest rank's duration, and a rank's bubble is ``1 - busy / step``. The table gives the
+mean over ranks, median over steps after warm-up. Theory with equal stages: ``(p - 1) / (m·v + p - 1)`` for GPipe,
+1F1B, interleaved 1F1B and looped BFS (``v`` stages per rank); zero-bubble schedules have no closed form (their idle
+time depends on how long input- and weight-gradient passes take; here the weight pass is almost free).
 
 Stage compute is simulated by sleeping (forward 20 ms, backward 40 ms per microbatch and stage, plus a real
-linear layer; ``BUBBLE_FORWARD_MS`` changes the forward time), so that 4 ranks on a 2-core machine do not compete for cores and the figure reflects the schedule,
-torch's send/receive, and the strategy's per-stage work — not CPU contention. The schedule and the whole stack
-(Lightning, HybridStrategy, ``torch.distributed.pipelining``, gloo) are the real ones.
+linear layer; ``BUBBLE_FORWARD_MS`` changes the forward time), so that 4 ranks on a 2-core machine do not compete
+for cores and the figure reflects the schedule, torch's send/receive, and the strategy's per-stage work — not CPU
+contention. The schedule and the whole stack (Lightning, HybridStrategy, ``torch.distributed.pipelining``, gloo)
+are the real ones.
 
 Usage::
 
-    python benchmarks/pipeline_bubble.py                  # the table: 1F1B and GPipe, p = 2, 4 and m = 4, 8
+    python benchmarks/pipeline_bubble.py                  # the table: every schedule at p = 2, m = 4, 8; some at p = 4
     python benchmarks/pipeline_bubble.py --pp 2 --microbatches 4 --schedule 1f1b --out result.json   # one run
     BUBBLE_FORWARD_MS=100 python benchmarks/pipeline_bubble.py         # longer stages: fixed overheads weigh less
 """
@@ -29,14 +32,12 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.utils.data import DataLoader, TensorDataset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.pipeline import PipelineSchedule  # noqa: E402
+from lightning_hybrid.pipeline import SCHEDULES, PipelineSchedule  # noqa: E402
+from lightning_hybrid.timeline import timeline_bubble  # noqa: E402
 
 FORWARD_S = float(os.environ.get("BUBBLE_FORWARD_MS", "20")) / 1e3  # backward takes twice as long
 WIDTH, MICROBATCH_SIZE, STEPS, WARMUP_STEPS = 16, 2, 8, 2
@@ -91,92 +93,71 @@ class SleepModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-_busy: list[tuple[float, float]] = []
-_steps: list[tuple[float, float]] = []
+class _RecordTimelines(pl.Callback):
+    """Turn on the pipeline's action timing and keep each training step's timeline of this rank."""
 
+    def __init__(self) -> None:
+        self.timelines: list[Any] = []
 
-def _timed(method: Callable, into: list) -> Callable:
-    """Record ``(start, end)`` wall-clock times (one clock for all processes of this machine)."""
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.time()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            into.append((start, time.time()))
+    def on_train_batch_start(self, trainer: pl.Trainer, *unused: Any) -> None:
+        trainer.strategy.pipeline.record_timeline = True
 
-    return wrapper
-
-
-def _instrument() -> None:
-    """Time each stage's compute calls and each schedule step (benchmark-only instrumentation)."""
-    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-        setattr(PipelineStage, name, _timed(getattr(PipelineStage, name), _busy))
-    for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
-        cls.step = _timed(cls.step, _steps)
+    def on_train_batch_end(self, trainer: pl.Trainer, *unused: Any) -> None:
+        self.timelines.append(trainer.strategy.pipeline.last_timeline)
 
 
 def run_one(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore")
-    _instrument()
     schedule = PipelineSchedule.resolve(args.schedule, args.pp, microbatches=args.microbatches)
     batch = args.microbatches * MICROBATCH_SIZE
     data = TensorDataset(torch.randn(batch * STEPS, WIDTH))
+    recorder = _RecordTimelines()
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.pp, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        strategy=HybridStrategy(pp=args.pp, pp_schedule=args.schedule, microbatches=args.microbatches),
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+        strategy=HybridStrategy(pp=args.pp, pp_schedule=args.schedule, microbatches=args.microbatches, monitor=False),
     )
-    steps_before = len(_steps)
-    busy_marks: list[int] = []
-
-    class Mark(pl.Callback):
-        def on_train_batch_start(self, *unused: Any) -> None:
-            busy_marks.append(len(_busy))
-
-    trainer.callbacks.append(Mark())
     trainer.fit(SleepModel(schedule.num_stages), DataLoader(data, batch_size=batch))
-    busy_marks.append(len(_busy))
-    windows = _steps[steps_before:]
-    busy = [sum(end - start for start, end in _busy[a:b]) for a, b in zip(busy_marks, busy_marks[1:])]
     per_rank: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (windows, busy))
+    dist.all_gather_object(per_rank, recorder.timelines)
     if trainer.global_rank == 0:
-        bubbles, step_times = [], []
-        for step in range(WARMUP_STEPS, STEPS):
-            start = min(windows[step][0] for windows, _ in per_rank)
-            end = max(windows[step][1] for windows, _ in per_rank)
-            busy_total = sum(busy[step] for _, busy in per_rank)
-            bubbles.append(1 - busy_total / (args.pp * (end - start)))
-            step_times.append(end - start)
+        steps = [[timelines[step] for timelines in per_rank] for step in range(WARMUP_STEPS, STEPS)]
         result = {
-            "schedule": args.schedule, "pp": args.pp, "microbatches": args.microbatches,
-            "measured": statistics.median(bubbles), "theory": schedule.theoretical_bubble(),
-            "step_s": statistics.median(step_times),
+            "schedule": args.schedule, "pp": args.pp, "virtual_stages": schedule.virtual_stages,
+            "microbatches": args.microbatches,
+            "measured": statistics.median(timeline_bubble(step) for step in steps),
+            "theory": schedule.theoretical_bubble(),
+            "step_s": statistics.median(max(t.duration for t in step) for step in steps),
         }
         Path(args.out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()  # close gloo's connections together rather than at interpreter exit
 
 
+#: (schedule, p, m) rows of the table.
+TABLE = [(name, 2, m) for name in SCHEDULES for m in (4, 8)] + [
+    ("gpipe", 4, 8), ("1f1b", 4, 8), ("1f1b", 4, 16), ("interleaved_1f1b", 4, 8),
+]
+
+
 def run_table() -> None:
     rows = []
-    for schedule in ("1f1b", "gpipe"):
-        for pp in (2, 4):
-            for microbatches in (4, 8):
-                with tempfile.TemporaryDirectory() as folder:
-                    out = Path(folder) / "result.json"
-                    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                    command = [sys.executable, __file__, "--schedule", schedule, "--pp", str(pp),
-                               "--microbatches", str(microbatches), "--out", str(out)]
-                    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
-                    if done.returncode != 0 or not out.exists():
-                        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-                    rows.append(json.loads(out.read_text()))
-    print("| schedule | p | m | measured bubble (median of steps) | theory (p-1)/(m+p-1) | step time |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    for schedule, pp, microbatches in TABLE:
+        with tempfile.TemporaryDirectory() as folder:
+            out = Path(folder) / "result.json"
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            command = [sys.executable, __file__, "--schedule", schedule, "--pp", str(pp),
+                       "--microbatches", str(microbatches), "--out", str(out)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
+            if done.returncode != 0 or not out.exists():
+                raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+            rows.append(json.loads(out.read_text()))
+    print("| schedule | p | v | m | measured bubble (median of steps) | theory (p-1)/(m·v+p-1) | step time |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['measured']:.3f} | {r['theory']:.3f}"
-              f" | {r['step_s'] * 1e3:.0f} ms |")
+        theory = "—" if r["theory"] is None else f"{r['theory']:.3f}"
+        print(f"| {r['schedule']} | {r['pp']} | {r['virtual_stages']} | {r['microbatches']} | {r['measured']:.3f}"
+              f" | {theory} | {r['step_s'] * 1e3:.0f} ms |")
 
 
 def main() -> None:

@@ -13,8 +13,9 @@ Importing the package registers the strategy as ``Trainer(strategy="hybrid")``.
 """
 
 from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.monitoring import ParallelMonitor
 from lightning_hybrid.pipeline import PipelineSchedule
 from lightning_hybrid.strategy import HybridStrategy
 
-__all__ = ["HybridStrategy", "ParallelDims", "PipelineSchedule"]
+__all__ = ["HybridStrategy", "ParallelDims", "ParallelMonitor", "PipelineSchedule"]
 __version__ = "0.1.0"

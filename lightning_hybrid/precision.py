@@ -32,35 +32,54 @@ from torch.optim import Optimizer
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pipeline_group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """The ``norm_type`` norm of all gradients of the model, over every mesh (and pipeline stage); a CPU scalar.
+
+    Works when parameters are spread over several device meshes (and plain tensors): the per-mesh norms are
+    computed by DTensor, which reduces over each mesh, and combined here. With pipeline stages, each rank holds
+    other parameters, so the norms of all ranks of ``pipeline_group`` are combined too. Every rank of the mesh
+    must call it (it communicates).
+
+    Example::
+
+        norm = total_grad_norm(module.parameters(), pipeline_group=pp_mesh.get_group())
+    """
+    with_grads = [p for p in parameters if p.grad is not None]
+    if not with_grads and pipeline_group is None:
+        return torch.tensor(0.0)
+    norms = []
+    for group in _by_mesh(with_grads).values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms] or [torch.zeros(())]), ord=norm_type)
+    if pipeline_group is not None:
+        total = _combine_over_stages(total, norm_type, pipeline_group, with_grads)
+    return total
+
+
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
     pipeline_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """Clip gradients in place to a total ``norm_type`` norm of ``max_norm``; returns the total norm.
-
-    Works when parameters are spread over several device meshes (and plain tensors): the per-mesh norms are
-    computed by DTensor, which reduces over each mesh, and combined here. With pipeline stages, each rank holds
-    other parameters, so the norms of all ranks of ``pipeline_group`` are combined too.
-    """
-    with_grads = [p for p in parameters if p.grad is not None]
-    if not with_grads and pipeline_group is None:
-        return torch.tensor(0.0)
-    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for parameter in with_grads:
-        grad = parameter.grad
-        by_mesh[grad.device_mesh if isinstance(grad, DTensor) else None].append(parameter)
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms] or [torch.zeros(())]), ord=norm_type)
-    if pipeline_group is not None:
-        total = _combine_over_stages(total, norm_type, pipeline_group, with_grads)
-    for group in by_mesh.values():
+    """Clip gradients in place to a total ``norm_type`` norm of ``max_norm``; returns the total norm
+    (:func:`total_grad_norm`)."""
+    parameters = list(parameters)
+    total = total_grad_norm(parameters, norm_type, pipeline_group)
+    for group in _by_mesh([p for p in parameters if p.grad is not None]).values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
+
+
+def _by_mesh(parameters: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for parameter in parameters:
+        grad = parameter.grad
+        by_mesh[grad.device_mesh if isinstance(grad, DTensor) else None].append(parameter)
+    return by_mesh
 
 
 def _combine_over_stages(

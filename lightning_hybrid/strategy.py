@@ -54,6 +54,7 @@ from lightning_hybrid.checkpoint import (
 )
 from lightning_hybrid.blocks import capture_block_call, find_block_list
 from lightning_hybrid.initialization import materialize_meta_module
+from lightning_hybrid.monitoring import ParallelMonitor
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims, check_degrees
 from lightning_hybrid.parallelize import apply_tensor_parallel
 from lightning_hybrid.resume import SamplerEpochOnResume
@@ -111,6 +112,9 @@ class HybridStrategy(ModelParallelStrategy):
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
         timeout: Timeout of collective operations: also how long the other ranks can wait on a rank that vanished
             without closing its connections (a killed process's closed connections end the job at once).
+        monitor: ``True`` (default) adds a :class:`~lightning_hybrid.monitoring.ParallelMonitor` (throughput, MFU,
+            memory, pipeline bubble and timeline, communication, gradient norm) when the trainer has a logger or a
+            progress bar; ``False`` adds none; a ``ParallelMonitor(...)`` instance is added as configured.
     """
 
     strategy_name = "hybrid"
@@ -134,6 +138,7 @@ class HybridStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        monitor: Union[bool, ParallelMonitor] = True,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -164,6 +169,9 @@ class HybridStrategy(ModelParallelStrategy):
         if not isinstance(offload, bool):
             raise ValueError(f"HybridStrategy(offload={offload!r}) is invalid: pass True (CPU offload) or False.")
         self._offload = offload
+        if not isinstance(monitor, (bool, ParallelMonitor)):
+            raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
+        self._monitor = monitor
         #: This rank's pipeline stages and schedules (``None`` when pp=1); set at setup.
         self.pipeline: Optional[Pipeline] = None
         self._tp_plan = dict(tp_plan or {})
@@ -222,6 +230,7 @@ class HybridStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if not any(isinstance(callback, SamplerEpochOnResume) for callback in trainer.callbacks):
             trainer.callbacks.append(SamplerEpochOnResume())
+        self._add_monitor(trainer)
         if not _already_parallel(self.model):
             self._parallelize(trainer)
         elif not self._parallelized_here:
@@ -242,6 +251,14 @@ class HybridStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self._offload:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _add_monitor(self, trainer: Trainer) -> None:
+        if self._monitor is False or any(isinstance(callback, ParallelMonitor) for callback in trainer.callbacks):
+            return
+        if isinstance(self._monitor, ParallelMonitor):
+            trainer.callbacks.append(self._monitor)
+        elif trainer.loggers or trainer.progress_bar_callback is not None:
+            trainer.callbacks.append(ParallelMonitor())
 
     def _materialize(self) -> None:
         """Give a meta-device model its values now that each rank holds only its shards (see

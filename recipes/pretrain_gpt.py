@@ -10,6 +10,7 @@ Usage (from the repository root)::
     python recipes/pretrain_gpt.py --devices 4 --tp 1 --pp 4 --pp-schedule interleaved_1f1b --microbatches 8
     python recipes/pretrain_gpt.py --accelerator gpu --devices 8 --dp 2 --tp 2 --pp 2 --precision bf16-mixed
     python recipes/pretrain_gpt.py --activation-checkpointing selective --offload   # less memory, more time
+    python recipes/pretrain_gpt.py --peak-flops 5e10 --chrome-trace-dir traces   # MFU on a CPU; timeline traces
     tensorboard --logdir lightning_logs
 """
 
@@ -35,7 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.callbacks import LearningRateMonitor  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
-from lightning_hybrid import HybridStrategy  # noqa: E402
+from lightning_hybrid import HybridStrategy, ParallelMonitor  # noqa: E402
 from recipes.data import GrammarDataModule  # noqa: E402
 from recipes.gpt import GPTConfig, GPTLightning  # noqa: E402
 
@@ -60,6 +61,9 @@ OVERRIDES: list[tuple[str, str | None, str]] = [
     ("offload", "parallel", "offload"),
     ("batch_size", "data", "batch_size"),
     ("seed", None, "seed"),
+    ("peak_flops", "monitor", "peak_flops"),
+    ("timeline_every_n_steps", "monitor", "timeline_every_n_steps"),
+    ("chrome_trace_dir", "monitor", "chrome_trace_dir"),
 ]
 
 
@@ -88,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--log-dir", default="lightning_logs", help="TensorBoard save_dir")
     p.add_argument("--ckpt-path", help="checkpoint to resume from")
+    p.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device, for MFU (CPUs and unknown GPUs)")
+    p.add_argument("--timeline-every-n-steps", type=int, help="steps between pipeline timeline images")
+    p.add_argument("--chrome-trace-dir", help="also write the timeline steps as Chrome traces here")
     return p.parse_args(argv)
 
 
@@ -128,7 +135,7 @@ class LossHistory(Callback):
 
 
 def build_trainer(cfg: dict[str, Any], log_dir: str, history: LossHistory) -> Trainer:
-    t, par = cfg["trainer"], cfg["parallel"]
+    t, par, mon = cfg["trainer"], cfg["parallel"], cfg["monitor"]
     pipeline = (
         dict(pp_schedule=par["pp_schedule"], microbatches=par["microbatches"], virtual_stages=par["virtual_stages"])
         if par["pp"] > 1
@@ -136,7 +143,11 @@ def build_trainer(cfg: dict[str, Any], log_dir: str, history: LossHistory) -> Tr
     )
     strategy = HybridStrategy(
         dp=par["dp"], tp=par["tp"], pp=par["pp"], dp_replicate=par["dp_replicate"], zero=par["zero"],
-        activation_checkpointing=par["activation_checkpointing"], offload=par["offload"], **pipeline
+        activation_checkpointing=par["activation_checkpointing"], offload=par["offload"], **pipeline,
+        monitor=ParallelMonitor(
+            peak_flops=mon["peak_flops"], timeline_every_n_steps=mon["timeline_every_n_steps"],
+            chrome_trace_dir=mon["chrome_trace_dir"],
+        ),
     )
     return Trainer(
         accelerator=t["accelerator"],

@@ -91,11 +91,14 @@ CHECKPOINTED_LAYERS = 4
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[dict[str, Any], Path]]:
     """``uninterrupted(layout)``: (result, checkpoint folder) of a 6-step GPT run (4 blocks) that saved a sharded
-    checkpoint at the end of epoch 0 (step 4). Shared: the 8-rank run is also the pipeline tests' 3D GPT run."""
+    checkpoint at the end of epoch 0 (step 4). Shared: the 8-rank run is also the pipeline tests' 3D GPT run and,
+    logging to TensorBoard (``result["tensorboard"]``), the monitoring tests' run."""
 
     def run(layout: str, folder: Path) -> tuple[dict[str, Any], Path]:
+        logged = ["--tensorboard", folder / "tb"] if layout == "dp2_tp2_pp2" else []
         result = run_script(["--model", "gpt", "--layers", CHECKPOINTED_LAYERS, *CHECKPOINTED_LAYOUTS[layout],
-                             "--checkpoint-dir", folder / "checkpoints", "--out", folder / "run.pt"])
+                             *logged, "--checkpoint-dir", folder / "checkpoints", "--out", folder / "run.pt"])
+        result["tensorboard"] = folder / "tb"
         return result, folder / "checkpoints" / "epoch=0-step=4.ckpt"
 
     return cached_runs(run, tmp_path_factory, "uninterrupted")

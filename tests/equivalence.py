@@ -94,6 +94,7 @@ from torch import Tensor  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from tests.models import (  # noqa: E402
@@ -171,6 +172,11 @@ class RecordCallback(pl.Callback):
         self.rank_linear_calls: list[int] = []
         self.rank_local_parameter_bytes: list[int] = []
         self.start_step = 0
+        #: Single-process runs only: the total gradient norm before each optimizer step (before clipping), and the
+        #: model FLOPs of the second batch (3 × its forward FLOPs, counted by torch's FlopCounterMode).
+        self.grad_norms: list[float] = []
+        self.model_flops = 0.0
+        self._flop_counter: FlopCounterMode | None = None
         self._linear_calls = 0
         self._linear_hooks: list[Any] = []
 
@@ -191,8 +197,6 @@ class RecordCallback(pl.Callback):
         self.tokens.append(self._scalar(trainer.callback_metrics["tokens"]))
         self.step_outputs.append(self._scalar(outputs["loss"]))
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self.hook_calls["on_before_backward"] += 1
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.hook_calls["on_after_backward"] += 1
@@ -201,6 +205,21 @@ class RecordCallback(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.hook_calls["on_before_optimizer_step"] += 1
         self.learning_rates.append(optimizer.param_groups[0]["lr"])
+        if trainer.world_size == 1:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.grad_norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.world_size == 1 and batch_idx == 1:
+            self._flop_counter = FlopCounterMode(display=False)
+            self._flop_counter.__enter__()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self.hook_calls["on_before_backward"] += 1
+        if self._flop_counter is not None:  # the forward is done: count it alone
+            self._flop_counter.__exit__(None, None, None)
+            self.model_flops = 3.0 * self._flop_counter.get_total_flops()
+            self._flop_counter = None
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -399,15 +418,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_strategy(args: argparse.Namespace, sweep_entry: dict[str, Any]) -> Any:
-    """The Trainer ``strategy`` argument for the requested mode."""
+def make_strategy(args: argparse.Namespace, sweep_entry: dict[str, Any], tensorboard: Path | None) -> Any:
+    """The Trainer ``strategy`` argument for the requested mode. With TensorBoard, the strategy's monitor also
+    draws the pipeline timeline every 4 batches and writes it as Chrome traces to ``<tensorboard>/traces``."""
     if args.reference:
         return "auto"
     if args.strategy == "ddp":
         return "ddp"
-    from lightning_hybrid import HybridStrategy  # imported lazily: the reference must run without the package
+    from lightning_hybrid import HybridStrategy, ParallelMonitor  # lazily: the reference runs without the package
 
     kwargs: dict[str, Any] = dict(dp=args.dp, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate)
+    if tensorboard is not None:
+        kwargs["monitor"] = ParallelMonitor(timeline_every_n_steps=4, chrome_trace_dir=tensorboard / "traces")
     if args.zero is not None:
         kwargs["zero"] = args.zero
     kwargs.update(args.strategy_kwargs)
@@ -488,7 +510,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=make_strategy(args, sweep_entry),
+        strategy=make_strategy(args, sweep_entry, tensorboard),
         precision=args.precision,
         max_steps=args.steps,
         gradient_clip_val=args.gradient_clip_val,
@@ -542,6 +564,8 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "hook_calls": recorder.hook_calls,
             "grads_after_backward": recorder.grads_after_backward,
             "learning_rates": recorder.learning_rates,
+            "grad_norms": recorder.grad_norms,
+            "model_flops": recorder.model_flops,
             "rank_parameter_counts": recorder.rank_parameter_counts,
             "global_step": fit_step,
             "resumed_from": str(resumed_from) if resumed_from else None,

@@ -241,3 +241,12 @@ def cached_runs(make: Callable[[str, Path], T], folders: Any, prefix: str) -> Ca
         return cache[key]
 
     return get
+
+
+def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a TensorBoard folder: ``{tag: [(step, value), ...]}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

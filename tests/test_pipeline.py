@@ -17,7 +17,7 @@ import torch
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.pipeline import SCHEDULES, PipelineSchedule, _check_batch, _combine_logs
 from tests.conftest import CHECKPOINTED_LAYERS, ReferenceFn
-from tests.helpers import assert_equivalent, cached_runs, run_script, run_sweep
+from tests.helpers import assert_equivalent, cached_runs, run_script, run_sweep, scalars
 from tests.models import MODEL_NAMES, PIPELINE_MODEL_NAMES
 
 RTOL = 1e-5
@@ -156,6 +156,7 @@ def test_pp2_every_schedule_matches_reference(model: str, schedule: str, referen
     assert result["sweep_entry"] == _pp2_entry(model, schedule)
     assert_equivalent(reference, result, rtol=RTOL)
     _assert_rank0_tensorboard_matches(result["tensorboard"], reference)
+    _assert_monitored(result["tensorboard"], reference, PipelineSchedule.resolve(schedule, 2, None, None))
     # Each parameter lives on exactly one rank.
     counts = result["rank_parameter_counts"]
     assert sum(counts) == sum(t.numel() for t in reference["params"].values())
@@ -192,6 +193,29 @@ def _assert_rank0_tensorboard_matches(folder: Path, reference: dict) -> None:
     assert len(logged) == len(expected) == 6
     assert logged == pytest.approx(expected, rel=RTOL)
     assert [event.value for event in events.Scalars("tokens")] == reference["tokens"][1::2]
+
+
+def _assert_monitored(folder: Path, reference: dict, schedule: PipelineSchedule) -> None:
+    """The strategy's monitor (added because the run logs to TensorBoard): model FLOPs and gradient norms equal the
+    single-process run's, the bubble is measured next to its theory, and the timeline holds every action."""
+    logged = scalars(folder)
+    assert {value for _, value in logged["flops/model_flops_per_batch"]} == {reference["model_flops"]}
+    for step, norm in logged["grad_norm"]:
+        assert norm == pytest.approx(reference["grad_norms"][step - 1], rel=RTOL)
+    theory = schedule.theoretical_bubble()
+    assert ("pipeline/bubble_theory" in logged) == (theory is not None)  # none for zero-bubble schedules
+    if theory is not None:
+        assert logged["pipeline/bubble_theory"][0][1] == pytest.approx(theory)
+    assert all(0 < bubble < 1 for _, bubble in logged["pipeline/bubble"])
+    # Timeline every 4 batches: per rank, each of its stages runs every microbatch forward once and backward once,
+    # either whole (B) or as input then weight gradients (I + W; zero-bubble schedules, some or all microbatches).
+    trace = json.loads((folder.parent / "traces" / "step_2.json").read_text())["traceEvents"]
+    for rank in range(2):
+        kinds = [e["name"][0] for e in trace if e["ph"] == "X" and e["tid"] == rank]
+        per_rank = schedule.microbatches * schedule.virtual_stages
+        assert kinds.count("F") == kinds.count("B") + kinds.count("I") == per_rank
+        assert kinds.count("W") == kinds.count("I")
+        assert (kinds.count("I") > 0) == schedule.splits_weight_gradients
 
 
 @pytest.mark.slow

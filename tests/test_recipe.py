@@ -1,4 +1,5 @@
-"""The main recipe runs with the strategy on CPU and writes TensorBoard logs that hold the training loss."""
+"""The main recipe runs with the strategy on CPU and writes TensorBoard logs that hold the training loss, the
+strategy monitor's figures and the pipeline timeline; the progress bar shows the loss and tokens/s."""
 
 from __future__ import annotations
 
@@ -16,17 +17,26 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_recipe_defaults_train_tp_x_pp_and_log_to_tensorboard(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "recipes/pretrain_gpt.py", "--max-steps", "20", "--log-dir", str(tmp_path)]
+    command = [sys.executable, "recipes/pretrain_gpt.py", "--max-steps", "20", "--log-dir", str(tmp_path),
+               "--timeline-every-n-steps", "10", "--peak-flops", "1e11"]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     output = done.stdout + done.stderr
     assert "tensor-parallel plan (tp=2)" in output
     assert "pipeline 1f1b over 2 stages, blocks per stage [2, 2], 2 microbatches" in output
+    assert "tokens/s:" in done.stdout and "loss:" in done.stdout  # Lightning's progress bar
 
     events = sorted(tmp_path.rglob("events.out.tfevents.*"))
     assert events, f"no TensorBoard event file under {tmp_path}"
-    accumulator = EventAccumulator(str(events[0].parent))
+    accumulator = EventAccumulator(str(events[0].parent), size_guidance={"images": 0})
     accumulator.Reload()
     losses = [event.value for event in accumulator.Scalars("train_loss")]
     assert len(losses) == 2  # logged every 10 of 20 steps
     assert losses[-1] < losses[0] - 0.3  # the tiny GPT learns the generated grammar quickly
+    for tag in ("throughput/tokens_per_sec", "flops/mfu", "memory/peak_gib_max", "pipeline/bubble",
+                "pipeline/bubble_theory", "comm/share_of_step", "grad_norm"):
+        assert len(accumulator.Scalars(tag)) == 2, tag
+    mfu = accumulator.Scalars("flops/mfu")[-1].value
+    tflops = accumulator.Scalars("flops/tflops_per_sec_per_device")[-1].value
+    assert mfu == pytest.approx(tflops * 1e12 / 1e11)
+    assert [image.step for image in accumulator.Images("pipeline/timeline")] == [10, 20]
