@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 import sys
 import time
@@ -144,7 +145,7 @@ class ParallelMonitor(pl.Callback):
             self._window.tokens += tokens
             pipeline = getattr(trainer.strategy, "pipeline", None)
             if pipeline is not None and pipeline.last_timeline is not None:
-                self._window.timelines.append(pipeline.last_timeline)
+                self._window.timelines.append(pipeline.last_timeline.summary())
             self._show_in_progress_bar(trainer, pl_module, outputs, tokens or samples, bool(tokens), elapsed)
         self._batches += 1
         every = self.log_every_n_steps or trainer.log_every_n_steps
@@ -168,18 +169,29 @@ class ParallelMonitor(pl.Callback):
         activities = [ProfilerActivity.CPU]
         if trainer.strategy.root_device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        self._profiler = profile(activities=activities)
-        self._profiler.__enter__()
+        try:
+            self._profiler = profile(activities=activities)
+            self._profiler.__enter__()
+        except RuntimeError as error:  # e.g. Trainer(profiler="pytorch") already runs one: no communication share
+            log.info("ParallelMonitor: no communication share (%s).", error)
+            self._profiler = None
         dims = getattr(trainer.strategy, "dims", None)
         self._counter = StepCounter(trainer.lightning_module, tensor_parallel=dims.tp if dims is not None else 1)
         self._counter.__enter__()
 
     def _stop_measuring(self, trainer: pl.Trainer, elapsed: float) -> None:
-        assert self._counter is not None and self._profiler is not None
+        assert self._counter is not None
         self._counter.__exit__(None, None, None)
-        self._profiler.__exit__(None, None, None)
-        communication = _communication_seconds(self._profiler)
-        per_rank = _gather(trainer, (self._counter.model_flops, dict(self._counter.comm_bytes), communication / elapsed))
+        communication = float("nan")
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            communication = _communication_seconds(self._profiler)
+        per_rank = _gather_to_rank_0(
+            trainer, (self._counter.model_flops, dict(self._counter.comm_bytes), communication / elapsed)
+        )
+        self._counter, self._profiler = None, None
+        if per_rank is None:
+            return
         busiest: dict[str, int] = {}
         for _, comm_bytes, _ in per_rank:
             for kind, count in comm_bytes.items():
@@ -189,7 +201,6 @@ class ParallelMonitor(pl.Callback):
             "comm_bytes": busiest,
             "comm_share": sum(share for _, _, share in per_rank) / len(per_rank),
         }
-        self._counter, self._profiler = None, None
 
     def _show_in_progress_bar(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, count: int, tokens: bool, elapsed: float
@@ -213,9 +224,9 @@ class ParallelMonitor(pl.Callback):
             "timelines": window.timelines,
             "pipeline": tuple(pipeline.pp_ranks) if pipeline is not None else None,
         }
-        per_rank = _gather(trainer, summary)
+        per_rank = _gather_to_rank_0(trainer, summary)
         grad_norm, self._grad_norm = self._grad_norm, None
-        if trainer.global_rank != 0 or not trainer.loggers:
+        if per_rank is None or not trainer.loggers:
             return
         step_time = sum(window.step_times) / len(window.step_times)
         replicas = _data_parallel_size(trainer)
@@ -240,10 +251,9 @@ class ParallelMonitor(pl.Callback):
     def _flops_metrics(self, trainer: pl.Trainer, step_time: float) -> dict[str, float]:
         if not self._measured:
             return {}
-        metrics = {
-            "flops/model_flops_per_batch": self._measured["model_flops"],
-            "comm/share_of_step": self._measured["comm_share"],
-        }
+        metrics = {"flops/model_flops_per_batch": self._measured["model_flops"]}
+        if not math.isnan(self._measured["comm_share"]):
+            metrics["comm/share_of_step"] = self._measured["comm_share"]
         for kind, count in self._measured["comm_bytes"].items():
             metrics[f"comm/bytes_per_batch/{kind}"] = float(count)
         per_device = self._measured["model_flops"] / step_time / trainer.world_size
@@ -263,8 +273,10 @@ class ParallelMonitor(pl.Callback):
         pipeline = getattr(trainer.strategy, "pipeline", None)
         if pipeline is None:
             return
-        timelines = _gather(trainer, pipeline.last_timeline)
-        if trainer.global_rank != 0:
+        # Rank 0 draws its own pipeline: only that pipeline's ranks send their step's actions.
+        in_first_pipeline = pipeline.pp_ranks == trainer.strategy.broadcast(pipeline.pp_ranks)
+        timelines = _gather_to_rank_0(trainer, pipeline.last_timeline if in_first_pipeline else None)
+        if timelines is None:
             return
         own = [timelines[rank] for rank in pipeline.pp_ranks]
         if any(timeline is None for timeline in own):
@@ -332,9 +344,12 @@ def _bubble_metrics(pipeline: Any, per_rank: list[dict]) -> dict[str, float]:
     return metrics
 
 
-def _gather(trainer: pl.Trainer, value: Any) -> list[Any]:
-    gathered: list[Any] = [None] * trainer.world_size
-    dist.all_gather_object(gathered, value)
+def _gather_to_rank_0(trainer: pl.Trainer, value: Any) -> Optional[list[Any]]:
+    """Every rank's ``value`` on global rank 0 (which logs); ``None`` on the other ranks."""
+    if not (dist.is_available() and dist.is_initialized()):  # a single-device run under another strategy
+        return [value]
+    gathered: Optional[list[Any]] = [None] * trainer.world_size if trainer.global_rank == 0 else None
+    dist.gather_object(value, gathered, dst=0)
     return gathered
 
 

@@ -205,11 +205,17 @@ class StepTimeline:
     pp_rank: int
     duration: float
     actions: list[ActionSpan] = field(default_factory=list)
+    #: Seconds spent computing (the rest of ``duration`` is waiting, communication and bookkeeping); summed from
+    #: ``actions`` unless given (a summary without its actions keeps it).
+    busy: Optional[float] = None
 
-    @property
-    def busy(self) -> float:
-        """Seconds spent computing (the rest of ``duration`` is waiting, communication and bookkeeping)."""
-        return sum(action.end - action.start for action in self.actions)
+    def __post_init__(self) -> None:
+        if self.busy is None:
+            self.busy = sum(action.end - action.start for action in self.actions)
+
+    def summary(self) -> "StepTimeline":
+        """The same step without its actions: what measuring the bubble needs, small enough to gather every step."""
+        return StepTimeline(self.pp_rank, self.duration, [], self.busy)
 
 
 class _StepClock:

@@ -41,7 +41,7 @@ def bubble_per_rank(timelines: list[StepTimeline]) -> dict[int, float]:
     """Each rank's share of the pipeline's step (the longest duration, ends being aligned) spent outside its
     compute actions: waiting for the neighbouring stages, communicating, and the step's bookkeeping."""
     step = max(timeline.duration for timeline in timelines)
-    return {timeline.pp_rank: 1.0 - timeline.busy / step for timeline in timelines}
+    return {timeline.pp_rank: 1.0 - (timeline.busy or 0.0) / step for timeline in timelines}
 
 
 def timeline_bubble(timelines: list[StepTimeline]) -> float:
