@@ -180,7 +180,8 @@ class HybridStrategy(ModelParallelStrategy):
         self.dims: Optional[ParallelDims] = None
         #: Data-parallel ranks (replicas × shards) flattened into one mesh; set when processes start.
         self.data_mesh: Optional[DeviceMesh] = None
-        self._parallelized_here = False  # a later trainer.test()/predict() reuses the module as it was left
+        # The module this strategy parallelized: a later trainer.test()/predict() of it reuses it as fit left it.
+        self._parallelized: Optional[torch.nn.Module] = None
         #: The tensor-parallel plan applied at setup, ``{module name pattern: style}``.
         self.tp_plan_applied: dict[str, str] = {}
 
@@ -231,9 +232,11 @@ class HybridStrategy(ModelParallelStrategy):
         if not any(isinstance(callback, SamplerEpochOnResume) for callback in trainer.callbacks):
             trainer.callbacks.append(SamplerEpochOnResume())
         self._add_monitor(trainer)
-        if not _already_parallel(self.model):
+        if self._parallelized is self.model:
+            pass  # a later trainer.test()/predict() reuses the module as fit left it
+        elif not _already_parallel(self.model):
             self._parallelize(trainer)
-        elif not self._parallelized_here:
+        else:
             if self._offload or self.checkpoint_plan is not None:
                 raise ValueError(
                     "HybridStrategy(offload=, activation_checkpointing=) are applied while the strategy shards the"
@@ -282,7 +285,7 @@ class HybridStrategy(ModelParallelStrategy):
 
     def _parallelize(self, trainer: Trainer) -> None:
         """Pipeline split, then tensor parallelism, then FSDP2 (see :mod:`lightning_hybrid.parallelize` for why)."""
-        self._parallelized_here = True
+        self._parallelized = self.model
         module = self.lightning_module
         assert module is not None and self.dims is not None
         module = self.precision_plugin.convert_module(module)
@@ -309,19 +312,22 @@ class HybridStrategy(ModelParallelStrategy):
             rank_zero_info(f"HybridStrategy: activation checkpointing {self.checkpoint_plan} on {count} blocks")
         # 4. FSDP2 last: it shards whatever parameters it finds, DTensors included
         fsdp_mesh = mesh[DATA_DIMS] if self.dims.dp_replicate > 1 else mesh[DATA_SHARD]
-        fsdp_options = FSDPOptions(
-            zero=self._zero,
-            mixed_precision=mixed_precision_policy(str(self.precision_plugin.precision)),
-            offload=self._offload,
-        )
-        if self.pipeline is None:
+        precision = str(self.precision_plugin.precision)
+        fsdp_options = FSDPOptions(zero=self._zero, mixed_precision=mixed_precision_policy(precision), offload=self._offload)
+        # With one data-parallel rank FSDP2 would shard nothing yet make every parameter a DTensor and run its hooks
+        # per block (measured: +15 % step time at tp=2, +20 % at pp=2, BENCHMARKS.md); it stays for what only it
+        # provides here: bf16-mixed's policy and CPU offload.
+        sharded = fsdp_mesh.size() > 1 or self._offload or precision == "bf16-mixed"
+        if self.pipeline is not None:
+            self._install_stages(blocks, fsdp_mesh, fsdp_options if sharded else None)
+        elif sharded:
             apply_fsdp(module, blocks, fsdp_mesh, fsdp_options)
+        mesh_shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+        if sharded:
+            rank_zero_info(f"HybridStrategy: FSDP2 (ZeRO-{self._zero}) over {len(blocks)} blocks of '{blocks_path}',"
+                           f" mesh {mesh_shape}")
         else:
-            self._shard_stages(blocks, fsdp_mesh, fsdp_options)
-        rank_zero_info(
-            f"HybridStrategy: FSDP2 (ZeRO-{self._zero}) over {len(blocks)} blocks of '{blocks_path}', mesh"
-            f" {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}"
-        )
+            rank_zero_info(f"HybridStrategy: one data-parallel rank, no FSDP2 (mesh {mesh_shape})")
 
     def _split_into_stages(self, trainer: Trainer, module: Any, blocks_path: str, blocks: Any) -> Pipeline:
         """Trace one step, split it into stages, and keep meta-device stand-ins of every unit."""
@@ -344,13 +350,15 @@ class HybridStrategy(ModelParallelStrategy):
             module, split, self.pp_schedule, self.device_mesh[PIPELINE], self.root_device, shadows, compute_dtype
         )
 
-    def _shard_stages(self, blocks: Any, fsdp_mesh: DeviceMesh, fsdp_options: FSDPOptions) -> None:
-        """FSDP2 per block of each local stage, each stage module the root of its own units."""
+    def _install_stages(self, blocks: Any, fsdp_mesh: DeviceMesh, fsdp_options: Optional[FSDPOptions]) -> None:
+        """Build this rank's stage modules; with ``fsdp_options``, FSDP2 per block of each local stage, each stage
+        module the root of its own units."""
         assert self.pipeline is not None
         self.pipeline.install()
         for stage, stage_module in self.pipeline.stage_modules.items():
             stage_blocks = [blocks[i] for i in self.pipeline.split.block_range(stage)]
-            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options)
+            if fsdp_options is not None:
+                apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options)
         self.pipeline.route_units()
         self.precision_plugin.pipeline_group = self.device_mesh[PIPELINE].get_group()  # type: ignore[attr-defined]
 
