@@ -182,7 +182,7 @@ def strategy_supports(option: str) -> bool:
 
 
 # ====================================================================================== measurement
-class _EngineOnly:
+class EngineOnly:
     """Stands in for MemTracker's ``ModTracker``: only "is autograd's engine running?" is kept (see
     :class:`ActivationTracker`)."""
 
@@ -201,7 +201,7 @@ class _EngineOnly:
     def get_known_fqn(self, module: nn.Module) -> None:
         return None
 
-    def __enter__(self) -> "_EngineOnly":
+    def __enter__(self) -> "EngineOnly":
         return self
 
     def __exit__(self, *args: Any) -> None:
@@ -242,7 +242,7 @@ class ActivationTracker(MemTracker):
 
     def __init__(self) -> None:
         super().__init__()
-        self._mod_tracker = _EngineOnly()  # type: ignore[assignment]
+        self._mod_tracker = EngineOnly()  # type: ignore[assignment]
         self.peak_act = 0
         self.peak_in_backward = False
         #: Peak of parameter bytes above those at entry: FSDP2's gathered parameters and all-gather buffers.
