@@ -4,14 +4,20 @@ Usage::
 
     lightning-hybrid export CHECKPOINT_FOLDER OUTPUT [--safetensors]
     python -m lightning_hybrid export CHECKPOINT_FOLDER OUTPUT      # the same without the installed script
+    lightning-hybrid plan --params 7e9 --seq-len 4096 --gpu h100-sxm --nodes 4 --global-batch 256 [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+from typing import Any, Optional, Sequence
 
 from lightning_hybrid.export import export_checkpoint
+from lightning_hybrid.planning import GIB, GPU_PRESETS, Cluster, Estimate, ModelShape, plan
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -26,12 +32,184 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     export.add_argument("checkpoint", help="sharded checkpoint folder written by HybridStrategy")
     export.add_argument("output", help="file to write")
     export.add_argument("--safetensors", action="store_true", help="write the state dict in safetensors format")
+    _add_plan_command(commands)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        _plan(args, parser)
+        return
     try:
         path = export_checkpoint(args.checkpoint, args.output, safetensors=args.safetensors)
     except (ValueError, ImportError) as error:
         parser.exit(2, f"lightning-hybrid export: error: {error}\n")
     print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------------------------ plan
+def _add_plan_command(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="rank dp × tp × pp layouts of a model on a cluster by predicted step time and memory",
+        description="Predict per-GPU memory and step time of every HybridStrategy layout of a model on a cluster"
+        " (formulas: lightning_hybrid/planning.py) and rank the ones that fit. Describe the model by --params, by"
+        " its dimensions (--layers --hidden --heads --vocab --seq-len), or by --module; the cluster by --gpu"
+        " and/or the four hardware numbers.",
+    )
+    model = plan.add_argument_group("model")
+    model.add_argument("--params", type=_count, help="parameter count (7e9, 7B, 350M): a GPT-3-shaped model")
+    model.add_argument("--module", help="package.module:LightningModuleClass, measured on the meta device")
+    model.add_argument("--module-kwargs", default="{}", help="JSON object of the module's constructor arguments")
+    sizes = {"--layers": "number of blocks", "--hidden": "model width", "--heads": "attention heads",
+             "--kv-heads": "key/value heads (default: --heads; read from --module)",
+             "--ffn-hidden": "MLP width (default 4 × hidden)", "--vocab": "vocabulary (default 32000 with --params)",
+             "--seq-len": "tokens per sequence"}
+    for flag, meaning in sizes.items():
+        model.add_argument(flag, type=int, help=meaning)
+    model.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (three matrices)")
+    model.add_argument("--tied-embeddings", action="store_true", help="head shares the embedding's weight")
+    model.add_argument("--dropout", action="store_true", help="count dropout masks in the activations")
+    model.add_argument("--eager-attention", action="store_true",
+                       help="attention scores are materialized (no flash/memory-efficient SDPA)")
+    cluster = plan.add_argument_group("cluster")
+    cluster.add_argument("--gpu", help="preset: " + ", ".join(GPU_PRESETS))
+    cluster.add_argument("--gpu-memory-gib", type=float, help="memory per GPU, GiB")
+    cluster.add_argument("--peak-tflops", type=float, help="dense peak per GPU in the training dtype, TFLOP/s")
+    cluster.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU and direction inside a node")
+    cluster.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU and direction between nodes")
+    cluster.add_argument("--nodes", type=int, default=1)
+    cluster.add_argument("--gpus-per-node", type=int, default=8)
+    cluster.add_argument("--efficiency", type=float, default=0.5, help="achievable share of peak (default 0.5)")
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    plan.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed (default) or bf16-true")
+    plan.add_argument("--top", type=int, default=10, help="layouts to show, of each kind (default 10)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _count(text: str) -> float:
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}.get(text[-1:].lower(), 1.0)
+    try:
+        return float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 7e9, 7B, 350M)") from None
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        if args.top < 1:
+            raise ValueError(f"--top must be positive, got {args.top}")
+        model = _model_from(args)
+        cluster = _cluster_from(args)
+        estimates = plan(model, cluster, args.global_batch, args.precision)
+    except ValueError as error:
+        parser.exit(2, f"lightning-hybrid plan: error: {error}\n")
+    feasible = [e for e in estimates if e.feasible]
+    infeasible = [e for e in estimates if not e.feasible]
+    shown_feasible, shown_infeasible = feasible[: args.top], infeasible[: args.top]
+    if args.json:
+        print(json.dumps({
+            "model": {**asdict(model), "total_parameters": model.total_parameters}, "cluster": asdict(cluster),
+            "global_batch": args.global_batch, "precision": args.precision, "layouts_considered": len(estimates),
+            "feasible": [e.to_dict() for e in shown_feasible], "infeasible": [e.to_dict() for e in shown_infeasible],
+        }, indent=2))
+        return
+    print(_describe(model, cluster, args, len(feasible), len(estimates)))
+    print(_table(shown_feasible + shown_infeasible))
+
+
+def _model_from(args: argparse.Namespace) -> ModelShape:
+    dimensions_given = args.layers is not None or args.hidden is not None
+    ways = [flag for flag, given in (("--params", args.params is not None), ("--module", args.module is not None),
+                                     ("--layers/--hidden", dimensions_given)) if given]
+    if len(ways) != 1:
+        raise ValueError("describe the model one way: --params N --seq-len S, --module package.module:Class"
+                         " --heads H --seq-len S, or --layers --hidden --heads --vocab --seq-len"
+                         + (f" (got {' and '.join(ways)})" if ways else ""))
+    if args.params is not None:
+        _refuse_unused(args, "--params (a GPT-3-shaped model)", "--heads", "--kv-heads", "--ffn-hidden", "--gated-mlp",
+                       "--tied-embeddings")
+        if args.seq_len is None:
+            raise ValueError("--params needs --seq-len (activation memory and attention FLOPs depend on it)")
+        vocab = {"vocab": args.vocab} if args.vocab else {}
+        shape = ModelShape.from_parameter_count(args.params, args.seq_len, **vocab)
+    elif args.module is not None:
+        _refuse_unused(args, "--module (read from the module)", "--vocab", "--ffn-hidden", "--gated-mlp",
+                       "--tied-embeddings")
+        try:
+            kwargs = json.loads(args.module_kwargs)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--module-kwargs is not valid JSON: {error}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("--module-kwargs must be a JSON object of constructor arguments")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # import the user's package from where they run, as `python -m` does
+        shape = ModelShape.from_module(args.module, kwargs, seq_len=args.seq_len, heads=args.heads,
+                                       kv_heads=args.kv_heads)
+    else:
+        required = {"--layers": args.layers, "--hidden": args.hidden, "--heads": args.heads, "--vocab": args.vocab,
+                    "--seq-len": args.seq_len}
+        missing = [flag for flag, value in required.items() if value is None]
+        if missing:
+            raise ValueError(f"a model given by its dimensions also needs {' '.join(missing)}")
+        shape = ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+                           seq_len=args.seq_len, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
+                           gated_mlp=args.gated_mlp, tied_embeddings=args.tied_embeddings)
+    return replace(shape, dropout=args.dropout, flash_attention=not args.eager_attention)
+
+
+def _refuse_unused(args: argparse.Namespace, way: str, *flags: str) -> None:
+    given = [flag for flag in flags if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
+    if given:
+        raise ValueError(f"{way} does not use {' '.join(given)}")
+
+
+def _cluster_from(args: argparse.Namespace) -> Cluster:
+    numbers = {"--gpu-memory-gib": ("memory_bytes", args.gpu_memory_gib, GIB),
+               "--peak-tflops": ("peak_flops", args.peak_tflops, 1e12),
+               "--intra-node-gbps": ("intra_node_bandwidth", args.intra_node_gbps, 1e9),
+               "--inter-node-gbps": ("inter_node_bandwidth", args.inter_node_gbps, 1e9)}
+    given = {name: value * unit for name, value, unit in numbers.values() if value is not None}
+    common = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
+    if args.gpu is not None:
+        return Cluster.preset(args.gpu, precision=args.precision, **common, **given)
+    missing = [flag for flag, (_, value, _) in numbers.items() if value is None]
+    if missing:
+        raise ValueError(f"describe the GPUs with --gpu PRESET ({', '.join(GPU_PRESETS)}) or give {' '.join(missing)}")
+    return Cluster(**common, **given)
+
+
+def _describe(model: ModelShape, cluster: Cluster, args: argparse.Namespace, fitting: int, considered: int) -> str:
+    mlp = f"ffn {model.ffn_hidden}{' gated' if model.gated_mlp else ''}"
+    return "\n".join([
+        f"Model: {model.total_parameters:,} parameters ({model.layers} layers, hidden {model.hidden},"
+        f" {model.heads} heads, {model.kv_heads} kv heads, {mlp}, vocab {model.vocab}, sequence {model.seq_len})",
+        f"Cluster: {cluster.nodes} × {cluster.gpus_per_node} GPUs of {cluster.memory_bytes / GIB:g} GiB"
+        f" ({cluster.usable_memory / GIB:.1f} usable), {cluster.peak_flops / 1e12:g} TFLOP/s peak at"
+        f" {cluster.efficiency:.0%} efficiency, {cluster.intra_node_bandwidth / 1e9:g} GB/s in a node,"
+        f" {cluster.inter_node_bandwidth / 1e9:g} GB/s between nodes",
+        f"Global batch {args.global_batch} sequences, {args.precision}: {fitting} of {considered} layouts fit.",
+        "GiB per GPU on the fullest pipeline stage (states: parameters + gradients + AdamW moments; activ.: with"
+        " pipeline buffers); seconds per step on the busiest rank (dp: exposed data-parallel traffic). accN:"
+        " Trainer(accumulate_grad_batches=N); mN: pipeline microbatches.",
+    ])
+
+
+def _table(estimates: list[Estimate]) -> str:
+    header = ["#", "layout", "states", "gathered", "activ.", "logits", "total", "compute", "tp", "pp", "dp",
+              "bubble", "step s", "tokens/s", "MFU", "fits"]
+    rows = []
+    for index, e in enumerate(estimates, 1):
+        memory = [e.memory.model_states, e.memory.gathered_parameters, e.memory.activations, e.memory.logits,
+                  e.memory.total]
+        time = [e.time.compute, e.time.tensor_parallel, e.time.pipeline, e.time.data_parallel_exposed, e.time.bubble,
+                e.time.step]
+        rows.append([str(index), str(e.layout)] + [f"{value / GIB:.1f}" for value in memory]
+                    + [f"{value:.3f}" for value in time]
+                    + [f"{e.tokens_per_second:,.0f}", f"{e.mfu:.1%}"]
+                    + ["yes" if e.feasible else "NO: " + "; ".join(e.reasons)])
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header) - 1)]
+    lines = ["  ".join(cell.ljust(width) if column == 1 else cell.rjust(width)  # the layout left-aligned
+                       for column, (cell, width) in enumerate(zip(row, widths))) + "  " + row[-1]
+             for row in [header] + rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
