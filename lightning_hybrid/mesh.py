@@ -92,14 +92,14 @@ class ParallelDims:
         return mesh, data_mesh
 
 
-def check_degrees(dp: Degree, tp: int, pp: int, dp_replicate: int) -> None:
-    """Reject degrees that are not positive integers (``dp`` may also be ``"auto"``)."""
-    for name, value in (("tp", tp), ("pp", pp), ("dp_replicate", dp_replicate)):
-        _check_positive_int(name, value)
-    if dp != "auto":
-        _check_positive_int("dp", dp)
+def check_degrees(dp: Degree, tp: Degree, pp: Degree, dp_replicate: int, auto: tuple[str, ...] = ("dp",)) -> None:
+    """Reject degrees that are not positive integers; those named in ``auto`` may also be ``"auto"``."""
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("dp_replicate", dp_replicate)):
+        if not (name in auto and value == "auto"):
+            _check_positive_int(name, value, name in auto)
 
 
-def _check_positive_int(name: str, value: object) -> None:
+def _check_positive_int(name: str, value: object, may_be_auto: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"HybridStrategy({name}={value!r}) is invalid: {name} must be a positive integer" + (" or 'auto'." if name == "dp" else "."))
+        raise ValueError(f"HybridStrategy({name}={value!r}) is invalid: {name} must be a positive integer"
+                         + (" or 'auto'." if may_be_auto else "."))

@@ -83,6 +83,13 @@ def apply_tensor_parallel(
     return {**plan.describe(f"{blocks_path}.*"), **{name: str(entry) for name, entry in outside.items()}}
 
 
+def block_tp_overrides(root: nn.Module, tp_plan: Mapping[str, PlanEntry], blocks_path: str,
+                       count: int) -> dict[str, PlanEntry]:
+    """``tp_plan``'s entries for the blocks, relative to one block (the plan every block gets)."""
+    overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
+    return _per_block_overrides(overrides, blocks_path, count)
+
+
 def _per_block_overrides(overrides: Mapping[str, PlanEntry], blocks_path: str, count: int) -> dict[str, PlanEntry]:
     """``tp_plan`` entries inside the blocks, relative to one block; one plan serves every block."""
     per_block: list[dict[str, PlanEntry]] = [{} for _ in range(count)]

@@ -10,7 +10,8 @@ Example::
     print(best.layout, best.time.step, best.memory.total / 2**30)
     estimate(llama7b, cluster, Layout(dp=8, tp=4), global_batch=256)   # one layout's breakdown
 
-or ``lightning-hybrid plan --params 7e9 --seq-len 4096 --gpu h100-sxm --nodes 4 --global-batch 256``.
+or ``lightning-hybrid plan --params 7e9 --seq-len 4096 --gpu h100-sxm --nodes 4 --global-batch 256``, or inside a
+run ``HybridStrategy(tp="auto", pp="auto")`` (:mod:`lightning_hybrid.auto_layout`).
 
 Symbols: b sequences per microbatch, s sequence, h hidden, a heads, V vocabulary, L layers; t, d, R, p, v, m =
 tp, dp (shard), dp_replicate, pp, virtual stages, microbatches. The first and last pipeline ranks are computed
@@ -27,9 +28,11 @@ Memory per GPU
     bf16-mixed 4+4+8 with fp32 master weights, bf16-true 2+2+4) × the rank's tp-local parameters ÷ d. Only blocks
     are tensor-parallel (matrices ÷ t, 1-D norms/biases whole); embeddings (first stage), final norm and head
     (last stage) are whole on every tp rank. Gradients count at the activation peak (conservative: Lightning
-    frees them between steps). Gathered parameters, compute dtype: ZeRO-3 two blocks (computing + prefetched),
-    ZeRO-2 the stage, plus the root unit; none without FSDP2, which HybridStrategy leaves out on one
-    data-parallel rank (d·R = 1) except for bf16-mixed (its casting policy). With pp > 1 torch's pipeline keeps
+    frees them between steps). Gathered parameters, compute dtype, plus the root unit, as FSDP2's peak was measured
+    (BENCHMARKS.md, Memory): ZeRO-3 three blocks (computing, prefetched, and one block's unsharded gradients
+    awaiting their reduce-scatter), ZeRO-2 the stage and two blocks more; none without FSDP2, which
+    HybridStrategy leaves out on one data-parallel rank (d·R = 1) except for bf16-mixed (its casting policy).
+    With pp > 1 torch's pipeline keeps
     parameters gathered after a backward and accumulates *unsharded* gradients (reduce dtype) until the last
     microbatch: both ZeRO levels hold the whole stage gathered, and its full gradients instead of the sharded
     ones. With p = 1 FSDP2 reduce-scatters each accumulation step and adds the result to the sharded gradients:
@@ -181,24 +184,33 @@ class ModelShape:
         if missing:
             raise ValueError(f"ModelShape.from_module({target!r}) cannot read {' and '.join(missing)} from the"
                              " module's parameters: pass them.")
-        module = _instantiate_on_meta(target, kwargs or {})
-        _, blocks = find_block_list(module)
-        in_blocks = {id(p) for p in blocks.parameters()}
+        return cls.measure(_instantiate_on_meta(target, kwargs or {}), seq_len=seq_len, heads=heads,
+                           kv_heads=kv_heads)
+
+    @classmethod
+    def measure(cls, module: nn.Module, *, seq_len: int, heads: int, kv_heads: Optional[int] = None,
+                flash_attention: bool = True, blocks: Optional[str] = None) -> "ModelShape":
+        """The shape of a built module (on any device, meta included), as :meth:`from_module` describes;
+        ``blocks`` names the block list when :func:`find_block_list` should not search for it."""
+        _, block_list = find_block_list(module, blocks)
+        in_blocks = {id(p) for p in block_list.parameters()}
         outside = [m for m in module.modules() if not any(id(p) in in_blocks for p in m.parameters(recurse=False))]
         embeddings = [m for m in outside if isinstance(m, nn.Embedding)]
         embedding_parameters = sum(m.weight.numel() for m in embeddings)
         outside_parameters = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
-        hidden = _hidden_size(blocks[0], embeddings)
-        ffn_hidden, gated = _mlp_shape(blocks[0], hidden)
+        hidden = _hidden_size(block_list[0], embeddings)
+        ffn_hidden, gated = _mlp_shape(block_list[0], hidden)
         widths = [m.num_embeddings for m in embeddings] + [m.out_features for m in outside if isinstance(m, nn.Linear)]
         if not widths:
-            raise ValueError(f"{target}: no nn.Embedding or nn.Linear outside the blocks to read the vocabulary from.")
+            raise ValueError(f"{type(module).__name__}: no nn.Embedding or nn.Linear outside the blocks to read the"
+                             " vocabulary from.")
         return cls(
-            layers=len(blocks), hidden=hidden, heads=heads, vocab=max(widths), seq_len=seq_len,
-            kv_heads=kv_heads or _kv_heads(blocks[0], hidden, heads), ffn_hidden=ffn_hidden, gated_mlp=gated,
+            layers=len(block_list), hidden=hidden, heads=heads, vocab=max(widths), seq_len=seq_len,
+            kv_heads=kv_heads or _kv_heads(block_list[0], hidden, heads), ffn_hidden=ffn_hidden, gated_mlp=gated,
+            flash_attention=flash_attention,
             tied_embeddings=len(list(module.named_parameters(remove_duplicate=False))) > len(list(module.parameters())),
-            parameters_per_block=max(sum(p.numel() for p in block.parameters()) for block in blocks),
-            whole_parameters_per_block=sum(p.numel() for p in blocks[0].parameters() if p.dim() < 2),
+            parameters_per_block=max(sum(p.numel() for p in block.parameters()) for block in block_list),
+            whole_parameters_per_block=sum(p.numel() for p in block_list[0].parameters() if p.dim() < 2),
             first_stage_parameters=embedding_parameters,
             last_stage_parameters=outside_parameters - embedding_parameters)
 
@@ -537,7 +549,10 @@ def _ranks(step: _Step) -> list[_Rank]:
 def _memory(step: _Step, rank: _Rank) -> MemoryBreakdown:
     local = rank.local_parameters(step)
     sharded = local / step.layout.dp
-    gathered_blocks = rank.blocks if step.schedule is not None or step.layout.zero == 2 else min(2, rank.blocks)
+    if step.schedule is not None:
+        gathered_blocks = rank.blocks
+    else:  # FSDP2's peak, measured: 3 blocks at ZeRO-3; the stage and 2 more blocks' buffers at ZeRO-2
+        gathered_blocks = min(3, rank.blocks) if step.layout.zero == 3 else rank.blocks + min(2, rank.blocks)
     gathered = local - (rank.blocks - gathered_blocks) * step.block_local_parameters if step.fsdp else 0.0
     per_layer = layer_activation_bytes(step.model, step.micro_batch, step.layout.tp, step.bytes.compute)
     chunk_blocks = rank.blocks // step.virtual_stages

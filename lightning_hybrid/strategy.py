@@ -8,6 +8,7 @@ come from Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrateg
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import sys
 from datetime import timedelta
@@ -42,6 +43,15 @@ from torch.utils._pytree import tree_map
 from typing_extensions import override
 
 from lightning_hybrid.activation_checkpointing import ActivationCheckpointing, CheckpointPlan, apply_activation_checkpointing
+from lightning_hybrid.auto_layout import (
+    AUTO,
+    LayoutRequest,
+    choose_layout,
+    describe_choice,
+    detect_cluster,
+    measure_model,
+    tensor_parallel_obstacles,
+)
 from lightning_hybrid.checkpoint import (
     MODULE_STATE_KEY,
     key_mismatch_message,
@@ -56,7 +66,8 @@ from lightning_hybrid.blocks import capture_block_call, find_block_list
 from lightning_hybrid.initialization import materialize_meta_module
 from lightning_hybrid.monitoring import ParallelMonitor
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims, check_degrees
-from lightning_hybrid.parallelize import apply_tensor_parallel
+from lightning_hybrid.parallelize import apply_tensor_parallel, block_tp_overrides
+from lightning_hybrid.planning import Cluster, Estimate
 from lightning_hybrid.resume import SamplerEpochOnResume
 from lightning_hybrid.pipeline import Pipeline, PipelineSchedule, make_shadows, muted_logs
 from lightning_hybrid.precision import HybridHalfPrecision, HybridPrecision, precision_plugin_for
@@ -76,6 +87,7 @@ class HybridStrategy(ModelParallelStrategy):
         trainer = Trainer(accelerator="gpu", devices=8, num_nodes=4, strategy=HybridStrategy(tp=4, pp=8))
         trainer = Trainer(accelerator="cpu", devices=8, strategy=HybridStrategy(tp=2, pp=2, pp_schedule="gpipe"))
         trainer = Trainer(accelerator="cpu", devices=4, strategy="hybrid")   # dp=4
+        trainer = Trainer(accelerator="gpu", devices=8, strategy=HybridStrategy(tp="auto", pp="auto"))
 
     The device mesh has the named dimensions ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``; the LightningModule
     reaches it as ``self.device_mesh``. ``strategy.data_mesh`` flattens the data-parallel ranks (replicas × shards).
@@ -84,9 +96,16 @@ class HybridStrategy(ModelParallelStrategy):
         dp: Data-parallel sharding degree; ``"auto"`` takes what the world size leaves.
         tp: Tensor-parallel degree. The linear layers of the model's repeated blocks are paired into
             column-/row-parallel layers by how data flows between them; see :mod:`lightning_hybrid.tensor_parallel`.
+            ``"auto"``: chosen at setup (see below).
         pp: Pipeline-parallel degree. The block list is cut into ``pp × virtual_stages`` stages balanced by
             traced FLOPs; modules outside the blocks go with the stage that runs them. The model's own step runs
-            on every stage (see :mod:`lightning_hybrid.pipeline`).
+            on every stage (see :mod:`lightning_hybrid.pipeline`). ``"auto"``: chosen at setup.
+            With ``tp="auto"`` and/or ``pp="auto"`` the strategy measures the module (parameter counts, and heads
+            and sequence length from the first block's attention on the first batch) and the hardware, estimates
+            every layout the other arguments leave open with :mod:`lightning_hybrid.planning`'s cost model, and
+            takes the one with the most tokens per second that fits in memory; it logs the choice with its
+            predicted memory and keeps the estimate in ``strategy.layout_estimate``. See
+            :mod:`lightning_hybrid.auto_layout`.
         dp_replicate: Replicas of the sharded model (HSDP): parameters are sharded within a replica and gradients
             all-reduced across replicas.
         zero: 3 (default) shards parameters between forward and backward too; 2 keeps them gathered for the step
@@ -115,6 +134,8 @@ class HybridStrategy(ModelParallelStrategy):
         monitor: ``True`` (default) adds a :class:`~lightning_hybrid.monitoring.ParallelMonitor` (throughput, MFU,
             memory, pipeline bubble and timeline, communication, gradient norm) when the trainer has a logger or a
             progress bar; ``False`` adds none; a ``ParallelMonitor(...)`` instance is added as configured.
+        cluster: The hardware an ``"auto"`` layout is planned for (a :class:`~lightning_hybrid.planning.Cluster`
+            whose nodes × GPUs per node match the Trainer's); by default GPUs are recognised by name and CPUs probed.
     """
 
     strategy_name = "hybrid"
@@ -122,8 +143,8 @@ class HybridStrategy(ModelParallelStrategy):
     def __init__(
         self,
         dp: Union[int, Literal["auto"]] = "auto",
-        tp: int = 1,
-        pp: int = 1,
+        tp: Union[int, Literal["auto"]] = 1,
+        pp: Union[int, Literal["auto"]] = 1,
         dp_replicate: int = 1,
         zero: Optional[int] = None,
         tp_plan: Optional[Mapping[str, PlanEntry]] = None,
@@ -139,6 +160,7 @@ class HybridStrategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         monitor: Union[bool, ParallelMonitor] = True,
+        cluster: Optional[Cluster] = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -147,25 +169,38 @@ class HybridStrategy(ModelParallelStrategy):
         )
         _let_pytorch_lightning_reach_our_message()
         self._degrees = {"dp": dp, "tp": tp, "pp": pp, "dp_replicate": dp_replicate}
-        check_degrees(**self._degrees)  # fail fast on bad values; the world size is checked once it is known
-        #: The pipeline schedule (``None`` when pp=1).
+        # fail fast on bad values; the world size is checked once it is known
+        check_degrees(**self._degrees, auto=("dp", "tp", "pp"))
+        #: The pipeline schedule (``None`` when pp=1; with pp="auto", set at setup).
         self.pp_schedule: Optional[PipelineSchedule] = None
-        if pp > 1:
+        self._pipeline_options = (pp_schedule, virtual_stages, microbatches)
+        if pp == AUTO:
+            _check_pipeline_may_be_chosen(pp_split, save_distributed_checkpoint)
+        elif pp > 1:
             self.pp_schedule = PipelineSchedule.resolve(pp_schedule, pp, virtual_stages, microbatches)
         elif microbatches is not None or virtual_stages is not None or pp_split is not None:
             raise ValueError("HybridStrategy(microbatches=, virtual_stages=, pp_split=) are pipeline options: set pp > 1.")
-        if pp > 1 and not save_distributed_checkpoint:
-            # Lightning's consolidated save gathers on global rank 0, which holds only the first stage.
-            raise ValueError(
-                "HybridStrategy(pp > 1, save_distributed_checkpoint=False) would write only the first pipeline"
-                " stage's parameters into the consolidated file. Keep save_distributed_checkpoint=True (one DCP shard"
-                " per rank, loadable under any layout)."
-            )
+        if pp != AUTO and pp > 1 and not save_distributed_checkpoint:
+            raise ValueError(_CONSOLIDATED_WITH_PIPELINE)
         self._pp_split = pp_split
         self._zero = check_zero_level(_zero_level(zero, self.pp_schedule))
         #: Which blocks are activation-checkpointed (``None``: none).
         self.checkpoint_plan = CheckpointPlan.resolve(activation_checkpointing)
         _check_checkpointing_with_schedule(self.checkpoint_plan, self.pp_schedule)
+        self._layout_request: Optional[LayoutRequest] = None
+        if AUTO in (tp, pp):
+            self._layout_request = LayoutRequest(
+                dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=self._zero, pp_schedule=pp_schedule,
+                microbatches=microbatches, virtual_stages=virtual_stages,
+                # the planner models full checkpointing; none is the upper bound for every-N-th and selective
+                activation_checkpointing="every" if self.checkpoint_plan == CheckpointPlan(every=1) else None)
+        elif cluster is not None:
+            raise ValueError("HybridStrategy(cluster=) describes the hardware for tp='auto'/pp='auto'; pass one of them.")
+        if cluster is not None and not isinstance(cluster, Cluster):
+            raise ValueError(f"HybridStrategy(cluster={cluster!r}) must be a lightning_hybrid.planning.Cluster.")
+        self._cluster = cluster
+        #: The cost model's estimate of the layout chosen for tp="auto"/pp="auto" (``None`` otherwise).
+        self.layout_estimate: Optional[Estimate] = None
         if not isinstance(offload, bool):
             raise ValueError(f"HybridStrategy(offload={offload!r}) is invalid: pass True (CPU offload) or False.")
         self._offload = offload
@@ -190,14 +225,21 @@ class HybridStrategy(ModelParallelStrategy):
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
         # Checked here, before any process is launched, so a wrong layout fails once and clearly.
-        self.dims = ParallelDims(world_size=self.num_nodes * self.num_processes, **self._degrees)
+        world_size = self.num_nodes * self.num_processes
+        if self._layout_request is None:
+            self.dims = ParallelDims(world_size=world_size, **self._degrees)
+        else:
+            _check_fixed_degrees_divide(world_size, self._degrees, self._cluster, self.num_nodes, self.num_processes)
 
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
-        assert self.dims is not None
+        if self.dims is not None:  # an "auto" layout builds its mesh at setup, once it is chosen
+            self._build_mesh()
+
+    def _build_mesh(self) -> None:
+        assert self.dims is not None and self.lightning_module is not None
         self._device_mesh, self.data_mesh = self.dims.build_mesh(self.root_device.type)
-        assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
@@ -287,11 +329,15 @@ class HybridStrategy(ModelParallelStrategy):
         """Pipeline split, then tensor parallelism, then FSDP2 (see :mod:`lightning_hybrid.parallelize` for why)."""
         self._parallelized = self.model
         module = self.lightning_module
-        assert module is not None and self.dims is not None
+        assert module is not None
         module = self.precision_plugin.convert_module(module)
         if not any(p.is_meta for p in module.parameters()):
             module.to(self.root_device)
         blocks_path, blocks = find_block_list(module, self._blocks_path)
+        block_call = None
+        if self.dims is None:
+            block_call = self._choose_layout(trainer, module, blocks_path, blocks)
+        assert self.dims is not None
         mesh = self.device_mesh
         # 1. pipeline split: this rank keeps only its stages' blocks (and the modules around them it runs)
         owned = list(range(len(blocks)))
@@ -300,7 +346,7 @@ class HybridStrategy(ModelParallelStrategy):
             owned = [i for stage in self.pipeline.stage_ids for i in self.pipeline.split.block_range(stage)]
         # 2. tensor parallelism
         if self.dims.tp > 1 or self._tp_plan:
-            block_call = capture_block_call(blocks[0], lambda: self._run_first_step(trainer))
+            block_call = block_call or capture_block_call(blocks[0], lambda: self._run_first_step(trainer))
             self.tp_plan_applied = apply_tensor_parallel(
                 module, blocks_path, blocks, block_call, mesh[TENSOR], tp_plan=self._tp_plan,
                 verify=self._verify_tp_plan, apply_to=[blocks[i] for i in owned],
@@ -328,6 +374,43 @@ class HybridStrategy(ModelParallelStrategy):
                            f" mesh {mesh_shape}")
         else:
             rank_zero_info(f"HybridStrategy: one data-parallel rank, no FSDP2 (mesh {mesh_shape})")
+
+    def _choose_layout(self, trainer: Trainer, module: Any, blocks_path: str, blocks: Any) -> tuple[tuple, dict]:
+        """Measure the module on the first batch and the hardware, choose the layout with the cost model (rank 0's
+        choice, broadcast), and build its mesh. Returns the first block's captured call for tensor parallelism."""
+        assert self._layout_request is not None
+        request, precision = self._layout_request, str(self.precision_plugin.precision)
+        block_call = capture_block_call(blocks[0], lambda: self._run_first_step(trainer))
+        accelerator_rng = [self.root_device] if self.root_device.type == "cuda" else []
+        with torch.random.fork_rng(devices=accelerator_rng):  # measuring must not shift the user's random streams
+            model, tokens = measure_model(module, blocks_path, block_call)
+            degrees = range(1, self.world_size + 1) if request.tp == AUTO else [int(request.tp)]
+            overrides = block_tp_overrides(module, self._tp_plan, blocks_path, len(blocks))
+            obstacles = tensor_parallel_obstacles(blocks[0], block_call, degrees, overrides)
+        if self._cluster is not None:
+            cluster, hardware = self._cluster, "as given (cluster=)"
+        else:
+            cluster, hardware = detect_cluster(self.root_device, self.num_nodes, self.num_processes, precision)
+        try:
+            ranked = choose_layout(model, cluster, request, tokens // model.seq_len, precision,
+                                   trainer.accumulate_grad_batches, obstacles)
+            outcome: Union[str, tuple[Estimate, str]] = (ranked[0], describe_choice(ranked, cluster, hardware))
+        except ValueError as error:
+            outcome = str(error)
+        outcome = self.broadcast(outcome)  # one choice for all ranks, even where probes measured differently
+        if isinstance(outcome, str):
+            raise ValueError(outcome)
+        self.layout_estimate, description = outcome
+        layout = self.layout_estimate.layout
+        self._degrees = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "dp_replicate": layout.dp_replicate}
+        self.dims = ParallelDims(world_size=self.world_size, **self._degrees)
+        if layout.pp > 1:
+            schedule, virtual_stages, microbatches = self._pipeline_options
+            self.pp_schedule = PipelineSchedule.resolve(schedule, layout.pp, virtual_stages, microbatches)
+            _check_checkpointing_with_schedule(self.checkpoint_plan, self.pp_schedule)
+        rank_zero_info(f"HybridStrategy(tp={request.tp!r}, pp={request.pp!r}) {description}")
+        self._build_mesh()
+        return block_call
 
     def _split_into_stages(self, trainer: Trainer, module: Any, blocks_path: str, blocks: Any) -> Pipeline:
         """Trace one step, split it into stages, and keep meta-device stand-ins of every unit."""
@@ -537,6 +620,36 @@ def _let_pytorch_lightning_reach_our_message() -> None:
     standalone = sys.modules.get("pytorch_lightning.strategies")
     if standalone is not None:
         standalone.Strategy.register(HybridStrategy)
+
+
+_CONSOLIDATED_WITH_PIPELINE = (
+    # Lightning's consolidated save gathers on global rank 0, which holds only the first stage.
+    "HybridStrategy(pp > 1, save_distributed_checkpoint=False) would write only the first pipeline stage's parameters"
+    " into the consolidated file. Keep save_distributed_checkpoint=True (one DCP shard per rank, loadable under any"
+    " layout)."
+)
+
+
+def _check_pipeline_may_be_chosen(pp_split: Optional[Sequence[int]], save_distributed_checkpoint: bool) -> None:
+    if pp_split is not None:
+        raise ValueError("HybridStrategy(pp='auto', pp_split=...): a split fixes the number of stages; pass pp=N with"
+                         " it, or leave pp_split out and let the strategy balance the stages.")
+    if not save_distributed_checkpoint:
+        raise ValueError(_CONSOLIDATED_WITH_PIPELINE.replace("pp > 1", "pp='auto'", 1)
+                         + " (pp='auto' may choose a pipeline.)")
+
+
+def _check_fixed_degrees_divide(world_size: int, degrees: Mapping[str, Any], cluster: Optional[Cluster], nodes: int,
+                                devices: int) -> None:
+    fixed = {name: value for name, value in degrees.items() if value != AUTO}
+    product = math.prod(fixed.values())
+    if world_size % product:
+        given = " × ".join(f"{name}={value}" for name, value in fixed.items() if value > 1)
+        raise ValueError(f"{given} = {product} does not divide the world size {world_size} (devices × num_nodes):"
+                         " no layout can be chosen. Change the fixed degrees or the number of devices.")
+    if cluster is not None and (cluster.nodes, cluster.gpus_per_node) != (nodes, devices):
+        raise ValueError(f"HybridStrategy(cluster=...) describes {cluster.nodes} node(s) × {cluster.gpus_per_node}"
+                         f" devices, but the Trainer runs num_nodes={nodes} × devices={devices}. Make them match.")
 
 
 def _zero_level(zero: Optional[int], schedule: Optional[PipelineSchedule]) -> object:

@@ -9,6 +9,7 @@ Usage (from the repository root)::
     python recipes/pretrain_gpt.py --devices 2 --dp 2 --tp 1 --pp 1 --max-steps 50
     python recipes/pretrain_gpt.py --devices 4 --tp 1 --pp 4 --pp-schedule interleaved_1f1b --microbatches 8
     python recipes/pretrain_gpt.py --accelerator gpu --devices 8 --dp 2 --tp 2 --pp 2 --precision bf16-mixed
+    python recipes/pretrain_gpt.py --devices 4 --dp auto --tp auto --pp auto   # the planner chooses (logged)
     python recipes/pretrain_gpt.py --activation-checkpointing selective --offload   # less memory, more time
     python recipes/pretrain_gpt.py --peak-flops 5e10 --chrome-trace-dir traces   # MFU on a CPU; timeline traces
     tensorboard --logdir lightning_logs
@@ -74,8 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-nodes", type=int)
     p.add_argument("--accelerator", help="cpu (yaml default) | gpu | cuda | auto")
     p.add_argument("--dp", type=_int_or_auto, help='sharded data-parallel degree, or "auto"')
-    p.add_argument("--tp", type=int, help="tensor-parallel degree")
-    p.add_argument("--pp", type=int, help="pipeline-parallel degree")
+    p.add_argument("--tp", type=_int_or_auto, help='tensor-parallel degree, or "auto" (chosen by the planner)')
+    p.add_argument("--pp", type=_int_or_auto, help='pipeline-parallel degree, or "auto" (chosen by the planner)')
     p.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble |"
                    " zbv_zero_bubble | dualpipev")
     p.add_argument("--microbatches", type=int, help="pipeline microbatches per step (must divide --batch-size)")
@@ -138,7 +139,7 @@ def build_trainer(cfg: dict[str, Any], log_dir: str, history: LossHistory) -> Tr
     t, par, mon = cfg["trainer"], cfg["parallel"], cfg["monitor"]
     pipeline = (
         dict(pp_schedule=par["pp_schedule"], microbatches=par["microbatches"], virtual_stages=par["virtual_stages"])
-        if par["pp"] > 1
+        if par["pp"] == "auto" or par["pp"] > 1
         else {}
     )
     strategy = HybridStrategy(

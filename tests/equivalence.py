@@ -434,6 +434,10 @@ def make_strategy(args: argparse.Namespace, sweep_entry: dict[str, Any], tensorb
         kwargs["zero"] = args.zero
     kwargs.update(args.strategy_kwargs)
     kwargs.update(sweep_entry)
+    if isinstance(kwargs.get("cluster"), dict):  # JSON has no Cluster: its fields
+        from lightning_hybrid.planning import Cluster
+
+        kwargs["cluster"] = Cluster(**kwargs["cluster"])
     return HybridStrategy(**kwargs)
 
 
@@ -574,6 +578,8 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "test_loss": float(test_loss),
             "prediction_shapes": [tuple(p.shape) for p in predictions],
             "tp_plan": getattr(trainer.strategy, "tp_plan_applied", {}),
+            "auto_layout": str(trainer.strategy.layout_estimate.layout)
+            if getattr(trainer.strategy, "layout_estimate", None) else None,
             "world_size": trainer.world_size,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "sweep_entry": sweep_entry,
