@@ -17,8 +17,10 @@ Three tables, printed as Markdown:
      bytes, all-gather and reduce-scatter (n−1)/n × bytes, send/receive bytes: what the planner's ``_ring``
      charges), the median over 1, 4 and 16 MiB, the sizes these runs send (64 MiB, beyond the L3 cache, is
      slower again and only printed); latency = the time of a 1 KiB message. The planner has one bandwidth for
-     all links: it gets the mean of the all-reduce and all-gather bus bandwidths;
-   * ``efficiency=1.0``, ``memory_bytes`` = this machine's memory.
+     all links: it gets the mean of the all-reduce and all-gather bus bandwidths, and their mean 1 KiB time as its
+     ``latency`` (α per message);
+   * ``efficiency=1.0``, ``memory_bytes`` = this machine's memory, ``overlap_communication=False`` (gloo's threads
+     need the same cores as the computation: no traffic hides behind it).
 
    Timings wait for a quiet machine (no ``benchmarks/compare.py`` running and other processes using under a tenth
    of a core, at most 20 minutes in all), and a launch during which other processes used the cores is repeated
@@ -33,10 +35,8 @@ Three tables, printed as Markdown:
    the median over the steps after :data:`WARMUP_STEPS`; the slowest rank is the layout's figure.
    ``estimate(...)`` predicts each layout with the calibrated cluster (links as measured with two processes, for
    four ranks too). Printed beside it: its terms, the CPU time of the rank's process per step (busy or waiting?),
-   and a second prediction with the ``efficiency`` that makes ``single`` match (one rank: the step is all compute)
-   and all data-parallel traffic exposed (the planner hides FSDP traffic behind compute, as GPUs do with a
-   separate communication stream; here gloo's threads need the same cores as the computation): what is left
-   there is what the model lacks rather than a constant.
+   and a second prediction with the ``efficiency`` that makes ``single`` match (one rank: the step is all compute):
+   what is left there is what the model lacks rather than a constant.
 
 2. **Memory, predicted vs measured**: model states, activations (+ logits and the loss's log-softmax) and
    gathered parameters per rank, the largest over the ranks, measured by running ``benchmarks/memory.py``'s
@@ -234,11 +234,13 @@ def measure_links() -> dict[str, LinkFit]:
     return {kind: LinkFit(kind, seconds) for kind, seconds in measured.items()}
 
 
-def calibrated_cluster(world: int, flops: float, bandwidth: float) -> Cluster:
-    """This machine as a planner cluster of ``world`` ranks computing at ``flops`` each."""
+def calibrated_cluster(world: int, flops: float, bandwidth: float, latency: float = 0.0) -> Cluster:
+    """This machine as a planner cluster of ``world`` ranks computing at ``flops`` each; gloo reduces on the cores
+    that compute, so no communication overlaps it."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Cluster(nodes=1, gpus_per_node=world, memory_bytes=memory, peak_flops=flops,
-                   intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, efficiency=1.0)
+                   intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, efficiency=1.0, latency=latency,
+                   overlap_communication=False)
 
 
 # ================================================================================================ step time
@@ -378,20 +380,16 @@ class StepRow:
     predicted: Estimate  # the planner as it is, with the calibrated constants
     adjusted: Estimate  # the same with single's efficiency
 
-    @property
-    def adjusted_serialized(self) -> float:
-        """``adjusted`` with all data-parallel traffic exposed (none of it overlapping compute)."""
-        time_ = self.adjusted.time
-        return time_.step - time_.data_parallel_exposed + time_.data_parallel
 
-
-def step_rows(runs: list[Run], measured: dict[str, Measured], bandwidth: float) -> tuple[float, list[StepRow]]:
+def step_rows(runs: list[Run], measured: dict[str, Measured], bandwidth: float,
+              latency: float) -> tuple[float, list[StepRow]]:
     """Each run's measurement and predictions with the FLOP/s probed in that run and the calibrated links; and the
     efficiency that makes ``single`` (one rank: all compute) match, 1 if it was not measured."""
     model = gpt_shape(CONFIG)
 
     def predict(run: Run, efficiency: float) -> Estimate:
-        cluster = replace(calibrated_cluster(run.world, measured[run.name].flops, bandwidth), efficiency=efficiency)
+        cluster = replace(calibrated_cluster(run.world, measured[run.name].flops, bandwidth, latency),
+                          efficiency=efficiency)
         return estimate(model, cluster, run.planned, GLOBAL_BATCH, PRECISION)
 
     single = BY_NAME["single"]
@@ -401,7 +399,7 @@ def step_rows(runs: list[Run], measured: dict[str, Measured], bandwidth: float) 
 
 def step_table(rows: list[StepRow]) -> str:
     lines = ["| layout | ranks | GFLOP/s per rank | measured step s | fwd+bwd s | CPU s | predicted s | error |"
-             " compute | tp | pp | dp (all) | dp exposed | bubble | single's efficiency, dp exposed: predicted s |"
+             " compute | tp | pp | dp (all) | dp exposed | bubble | with single's efficiency: predicted s |"
              " error |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
@@ -413,7 +411,7 @@ def step_table(rows: list[StepRow]) -> str:
             f" {measured.step:.3f}{'*' if measured.disturbed else ''} | {measured.forward_backward:.3f} |"
             f" {measured.cpu:.3f} | {time_.step:.3f} | {relative_error(time_.step, measured.step)} | "
             + " | ".join(f"{value:.3f}" for value in terms)
-            + f" | {row.adjusted_serialized:.3f} | {relative_error(row.adjusted_serialized, measured.step)} |")
+            + f" | {row.adjusted.time.step:.3f} | {relative_error(row.adjusted.time.step, measured.step)} |")
     return "\n".join(lines)
 
 
@@ -589,6 +587,7 @@ def main() -> None:
         if not disturbed:
             break
     bandwidth = (links["all_reduce"].bus_bandwidth + links["all_gather"].bus_bandwidth) / 2
+    latency = (links["all_reduce"].latency + links["all_gather"].latency) / 2
     print(f"## Calibration ({os.cpu_count()} cores, torch {torch.__version__}, one thread per process)"
           + (" -- DISTURBED by other processes" if disturbed else "") + "\n")
     print("| constant | value |\n| --- | --- |")
@@ -599,13 +598,14 @@ def main() -> None:
         print(f"| gloo {fit.kind}: latency (1 KiB) / bus bandwidth (1-16 MiB; 64 MiB) | {fit.latency * 1e6:.0f} µs /"
               f" {fit.bus_bandwidth / 1e9:.2f} GB/s; {fit.bus_bandwidth_at(LINK_SIZES[-1]) / 1e9:.2f} GB/s |")
     print(f"| **link bandwidth** (mean of all-reduce and all-gather) | **{bandwidth / 1e9:.2f} GB/s** |")
+    print(f"| **link latency** (mean of all-reduce and all-gather at 1 KiB) | **{latency * 1e6:.0f} µs** |")
     print("\nSeconds per size (1 KiB ... 64 MiB, ×4):")
     for fit in links.values():
         print(f"  {fit.kind:10s} " + " ".join(f"{seconds * 1e3:.3f}" for seconds in fit.seconds) + " ms")
 
     if not args.skip_steps:
         measured = {run.name: measure_steps(run, args.steps, quiet) for run in runs}
-        efficiency, rows = step_rows(runs, measured, bandwidth)
+        efficiency, rows = step_rows(runs, measured, bandwidth, latency)
         print(f"\n## Step time: {GLOBAL_BATCH} sequences of {CONFIG.block_size}, fp32, predicted vs measured\n")
         print(f"Terms: the prediction's seconds on the busiest rank. Efficiency fitted on single: {efficiency:.2f}."
               " * = other processes used the cores meanwhile.\n")

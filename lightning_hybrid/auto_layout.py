@@ -10,7 +10,7 @@ Read from the run, not from names:
   (:func:`~lightning_hybrid.tensor_parallel.plan_block`) for each candidate degree;
 * the hardware (:func:`detect_cluster`): a GPU by its name from :data:`~lightning_hybrid.planning.GPU_PRESETS`
   (memory from the device); a CPU by a short probe (matmul FLOP/s per process with every process busy, all-reduce
-  bandwidth over the job). ``HybridStrategy(cluster=Cluster(...))`` replaces the detection.
+  latency and bandwidth over the job; no overlap of communication with compute). ``HybridStrategy(cluster=Cluster(...))`` replaces the detection.
 
 Every layout the user's fixed options leave open is estimated with the DataLoader's batch per data-parallel rank
 (so the global batch grows with dp, as anywhere in Lightning) and the feasible one with the most tokens per second
@@ -305,10 +305,13 @@ def _probed_cpu_cluster(nodes: int, devices_per_node: int) -> tuple[Cluster, str
     if dist.is_initialized():
         dist.barrier()  # every process probes at once: the rate each gets while all of them compute
     flops = matmul_flops()
-    bandwidth = all_reduce_bandwidth()
+    latency, bandwidth = all_reduce_link()
+    # gloo reduces on the cores that compute: nothing hides behind compute
     cluster = Cluster(nodes=nodes, gpus_per_node=devices_per_node, memory_bytes=memory, peak_flops=flops,
-                      intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, efficiency=1.0)
-    links = "no links (one process)" if math.isinf(bandwidth) else f"all-reduce {bandwidth / 1e9:.2f} GB/s"
+                      intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, efficiency=1.0, latency=latency,
+                      overlap_communication=False)
+    links = "no links (one process)" if math.isinf(bandwidth) else (
+        f"all-reduce {latency * 1e6:.0f} µs + {bandwidth / 1e9:.2f} GB/s")
     return cluster, (f"CPU probe: matmul {flops / 1e9:.0f} GFLOP/s per process, {links}, {memory / GIB:.1f} GiB of"
                      " RAM per process")
 
@@ -325,13 +328,20 @@ def matmul_flops(size: int = 512, repeats: int = 5) -> float:
     return 2 * size**3 / statistics.median(seconds)
 
 
-def all_reduce_bandwidth(size_bytes: int = 4 * 2**20, repeats: int = 3) -> float:
-    """Bus bandwidth (bytes/s) of an all-reduce over the default process group: 2·(n−1)/n × bytes / seconds, the
-    slowest rank's median; infinite with one process."""
+def all_reduce_link(size_bytes: int = 4 * 2**20, repeats: int = 3) -> tuple[float, float]:
+    """(latency s, bus bandwidth bytes/s) of all-reduces over the default process group, the α and β of the
+    planner: α = a 1 KiB all-reduce's time, bandwidth = 2·(n−1)/n × bytes / (time − α) at ``size_bytes``; each the
+    slowest rank's median. (0, infinite) with one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return math.inf
+        return 0.0, math.inf
     world = dist.get_world_size()
-    buffer = torch.zeros(size_bytes // 4)
+    latency = _slowest_median_all_reduce(256, repeats)
+    seconds = _slowest_median_all_reduce(size_bytes // 4, repeats)
+    return latency, 2 * (world - 1) / world * size_bytes / max(seconds - latency, 1e-9)
+
+
+def _slowest_median_all_reduce(elements: int, repeats: int) -> float:
+    buffer = torch.zeros(elements)
     dist.all_reduce(buffer)
     seconds = []
     for _ in range(repeats):
@@ -340,4 +350,4 @@ def all_reduce_bandwidth(size_bytes: int = 4 * 2**20, repeats: int = 3) -> float
         seconds.append(time.perf_counter() - start)
     slowest = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return 2 * (world - 1) / world * size_bytes / float(slowest)
+    return float(slowest)

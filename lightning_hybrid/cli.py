@@ -75,6 +75,8 @@ def _add_plan_command(commands: Any) -> None:
     cluster.add_argument("--peak-tflops", type=float, help="dense peak per GPU in the training dtype, TFLOP/s")
     cluster.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU and direction inside a node")
     cluster.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU and direction between nodes")
+    cluster.add_argument("--latency-us", type=float,
+                         help="µs every collective or message costs whatever its size (presets 20, else 0)")
     cluster.add_argument("--nodes", type=int, default=1)
     cluster.add_argument("--gpus-per-node", type=int, default=8)
     cluster.add_argument("--efficiency", type=float, default=0.5, help="achievable share of peak (default 0.5)")
@@ -167,10 +169,12 @@ def _cluster_from(args: argparse.Namespace) -> Cluster:
                "--intra-node-gbps": ("intra_node_bandwidth", args.intra_node_gbps, 1e9),
                "--inter-node-gbps": ("inter_node_bandwidth", args.inter_node_gbps, 1e9)}
     given = {name: value * unit for name, value, unit in numbers.values() if value is not None}
+    if args.latency_us is not None:
+        given["latency"] = args.latency_us * 1e-6
     common = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
     if args.gpu is not None:
         return Cluster.preset(args.gpu, precision=args.precision, **common, **given)
-    missing = [flag for flag, (_, value, _) in numbers.items() if value is None]
+    missing = [flag for flag, (name, _, _) in numbers.items() if name not in given]
     if missing:
         raise ValueError(f"describe the GPUs with --gpu PRESET ({', '.join(GPU_PRESETS)}) or give {' '.join(missing)}")
     return Cluster(**common, **given)
@@ -184,7 +188,7 @@ def _describe(model: ModelShape, cluster: Cluster, args: argparse.Namespace, fit
         f"Cluster: {cluster.nodes} × {cluster.gpus_per_node} GPUs of {cluster.memory_bytes / GIB:g} GiB"
         f" ({cluster.usable_memory / GIB:.1f} usable), {cluster.peak_flops / 1e12:g} TFLOP/s peak at"
         f" {cluster.efficiency:.0%} efficiency, {cluster.intra_node_bandwidth / 1e9:g} GB/s in a node,"
-        f" {cluster.inter_node_bandwidth / 1e9:g} GB/s between nodes",
+        f" {cluster.inter_node_bandwidth / 1e9:g} GB/s between nodes, {cluster.latency * 1e6:g} µs per message",
         f"Global batch {args.global_batch} sequences, {args.precision}: {fitting} of {considered} layouts fit.",
         "GiB per GPU on the fullest pipeline stage (states: parameters + gradients + AdamW moments; activ.: with"
         " pipeline buffers); seconds per step on the busiest rank (dp: exposed data-parallel traffic). accN:"

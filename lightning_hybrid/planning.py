@@ -29,8 +29,8 @@ Memory per GPU
     are tensor-parallel (matrices ÷ t, 1-D norms/biases whole); embeddings (first stage), final norm and head
     (last stage) are whole on every tp rank. Gradients count at the activation peak (conservative: Lightning
     frees them between steps). Gathered parameters, compute dtype, plus the root unit, as FSDP2's peak was measured
-    (BENCHMARKS.md, Memory): ZeRO-3 three blocks (computing, prefetched, and one block's unsharded gradients
-    awaiting their reduce-scatter), ZeRO-2 the stage and two blocks more; none without FSDP2, which
+    (BENCHMARKS.md, Planner): ZeRO-3 three blocks (a prefetched block's all-gather output and its copied-out
+    parameters exist together), ZeRO-2 the stage and two blocks' all-gather buffers; none without FSDP2, which
     HybridStrategy leaves out on one data-parallel rank (d·R = 1) except for bf16-mixed (its casting policy).
     With pp > 1 torch's pipeline keeps
     parameters gathered after a backward and accumulates *unsharded* gradients (reduce dtype) until the last
@@ -60,10 +60,12 @@ Time per step
     m, with p = 1, where FSDP2 reshards after each backward) and reduce-scatters, reduce dtype, (d−1)/d × bytes
     each (one per step with p > 1, m with p = 1); HSDP adds as many all-reduces of the shards over R. Links:
     mesh pp × dp_replicate × dp_shard × tp (tp innermost); a dimension uses NVLink iff each of its groups lies
-    in one node. Overlap: TP and PP messages are exposed; FSDP/HSDP traffic hides
-    behind compute and only the excess shows, but with pp > 1 the reduce-scatter/all-reduce follow the last
-    backward (exposed). Step = busiest rank's (compute + TP + PP) × (m·v + p − 1)/(m·v), i.e. bubble
-    (p−1)/(m·v+p−1), + exposed data-parallel time. MFU = 3 × forward FLOPs / (step × GPUs × peak).
+    in one node. Every message also costs the cluster's ``latency`` α: TP one all-reduce per block, pass and
+    microbatch, PP two messages per chunk-microbatch, FSDP one collective per unit (each block and the root) and
+    pass. Overlap: TP and PP messages are exposed; FSDP/HSDP traffic hides behind compute and only the excess
+    shows, but with pp > 1 the reduce-scatter/all-reduce follow the last backward (exposed); with
+    ``overlap_communication=False`` (CPUs) all of it shows. Step = busiest rank's (compute + TP + PP) ×
+    (m·v + p − 1)/(m·v), i.e. bubble (p−1)/(m·v+p−1), + exposed data-parallel time. MFU = 3 × forward FLOPs / (step × GPUs × peak).
     Checked with :class:`~lightning_hybrid.counting.StepCounter` (recipes/gpt.py, 2 blocks of width 64, dp=2,
     m = 1 and 2): per optimizer step ZeRO-3 all-gathers 2·m × the parameters' bytes and both levels
     reduce-scatter m × them, exactly; ZeRO-2 gathers the root (embeddings, head) twice per microbatch, 1.09·m ×
@@ -294,12 +296,21 @@ GPU_PRESETS: dict[str, GpuSpec] = {
 }
 
 
+#: α of the GPU presets: NCCL's time for a tiny collective is tens of microseconds (assumed, one value for NVLink and
+#: the network; small next to the bandwidth term except for many small messages: deep tensor parallelism or many
+#: pipeline microbatches).
+NCCL_LATENCY = 20e-6
+
+
 @dataclass(frozen=True)
 class Cluster:
     """GPUs, memory per GPU (bytes), peak FLOP/s per GPU in the training dtype, link bandwidths (bytes/s per GPU
     and direction). ``efficiency``: the share of peak that compute reaches (0.5: well-tuned dense transformer
     training reports 40-60% MFU). ``usable_memory_fraction``: room for the CUDA context, NCCL buffers and
-    allocator fragmentation."""
+    allocator fragmentation. ``latency``: seconds every collective call or point-to-point message costs whatever
+    its size (α of the α–β model: a message of n bytes takes α + n / bandwidth). ``overlap_communication``:
+    whether data-parallel traffic can hide behind compute (GPUs: NCCL on its own stream); ``False`` where the
+    collectives need the compute's own cores (CPUs with gloo)."""
 
     nodes: int
     gpus_per_node: int
@@ -309,6 +320,8 @@ class Cluster:
     inter_node_bandwidth: float
     efficiency: float = 0.5
     usable_memory_fraction: float = 0.9
+    latency: float = 0.0
+    overlap_communication: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("Cluster", True, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
@@ -318,6 +331,8 @@ class Cluster:
         for name in ("efficiency", "usable_memory_fraction"):
             if getattr(self, name) > 1:
                 raise ValueError(f"Cluster({name}={getattr(self, name)!r}) is invalid: a fraction, at most 1.")
+        if not self.latency >= 0:
+            raise ValueError(f"Cluster(latency={self.latency!r}) is invalid: seconds per message, at least 0.")
 
     @classmethod
     def preset(cls, gpu: str, nodes: int = 1, gpus_per_node: int = 8, precision: str = "bf16-mixed",
@@ -330,7 +345,7 @@ class Cluster:
         tflops = spec.fp32_tflops if precision == "32-true" else spec.bf16_tflops
         fields = dict(nodes=nodes, gpus_per_node=gpus_per_node, memory_bytes=spec.memory_gib * GIB,
                       peak_flops=tflops * 1e12, intra_node_bandwidth=spec.intra_node_gbps * 1e9,
-                      inter_node_bandwidth=spec.inter_node_gbps * 1e9)
+                      inter_node_bandwidth=spec.inter_node_gbps * 1e9, latency=NCCL_LATENCY)
         return cls(**{**fields, **overrides})
 
     @property
@@ -587,14 +602,25 @@ def _times(step: _Step, rank: _Rank) -> tuple[float, float, float, float, float]
     forward = tokens * (rank.blocks * block_flops / t + rank.last * 2 * model.vocab * model.hidden)
     compute = (4 if step.checkpointed else 3) * forward / (cluster.peak_flops * cluster.efficiency)
     all_reduces = 6 if step.checkpointed else 4  # 2 in forward (+2 recomputed), 2 in backward
+    alpha, chunk_microbatches = cluster.latency, m * step.virtual_stages
     tensor = rank.blocks * all_reduces * _ring(replica_activation_bytes, t, cluster.link_bandwidth(t, 1), True)
+    tensor += rank.blocks * all_reduces * m * alpha if t > 1 else 0.0  # one all-reduce per microbatch each
     pipe = 2 * step.virtual_stages * replica_activation_bytes / cluster.link_bandwidth(p, r * d * t) if p > 1 else 0.0
+    pipe += 2 * chunk_microbatches * alpha if p > 1 else 0.0  # an activation out, a gradient back
     local, dp_link = rank.local_parameters(step), cluster.link_bandwidth(d, t)
     syncs = m if p == 1 else 1  # FSDP2 syncs every accumulation step; the pipeline once, after its last backward
-    gathers = (2 * m if layout.zero == 3 else syncs) * _ring(local * step.bytes.compute, d, dp_link)
-    reductions = syncs * _ring(local * step.bytes.reduce, d, dp_link)
-    reductions += syncs * _ring(local / d * step.bytes.reduce, r, cluster.link_bandwidth(r, d * t), True)
-    exposed = max(0.0, gathers - compute) + reductions if p > 1 else max(0.0, gathers + reductions - compute)
+    gather_passes = 2 * m if layout.zero == 3 else syncs
+    units = rank.blocks + 1  # FSDP2 communicates per unit: each block, and the root's own parameters
+    gathers = gather_passes * (_ring(local * step.bytes.compute, d, dp_link) + (units * alpha if d > 1 else 0.0))
+    reductions = syncs * (_ring(local * step.bytes.reduce, d, dp_link) + (units * alpha if d > 1 else 0.0))
+    reductions += syncs * (_ring(local / d * step.bytes.reduce, r, cluster.link_bandwidth(r, d * t), True)
+                           + (units * alpha if r > 1 else 0.0))
+    if not cluster.overlap_communication:
+        exposed = gathers + reductions
+    elif p > 1:
+        exposed = max(0.0, gathers - compute) + reductions
+    else:
+        exposed = max(0.0, gathers + reductions - compute)
     return compute, tensor, pipe, gathers + reductions, exposed
 
 

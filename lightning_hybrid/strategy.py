@@ -187,17 +187,9 @@ class HybridStrategy(ModelParallelStrategy):
         #: Which blocks are activation-checkpointed (``None``: none).
         self.checkpoint_plan = CheckpointPlan.resolve(activation_checkpointing)
         _check_checkpointing_with_schedule(self.checkpoint_plan, self.pp_schedule)
-        self._layout_request: Optional[LayoutRequest] = None
-        if AUTO in (tp, pp):
-            self._layout_request = LayoutRequest(
-                dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=self._zero, pp_schedule=pp_schedule,
-                microbatches=microbatches, virtual_stages=virtual_stages,
-                # the planner models full checkpointing; none is the upper bound for every-N-th and selective
-                activation_checkpointing="every" if self.checkpoint_plan == CheckpointPlan(every=1) else None)
-        elif cluster is not None:
-            raise ValueError("HybridStrategy(cluster=) describes the hardware for tp='auto'/pp='auto'; pass one of them.")
-        if cluster is not None and not isinstance(cluster, Cluster):
-            raise ValueError(f"HybridStrategy(cluster={cluster!r}) must be a lightning_hybrid.planning.Cluster.")
+        #: What an "auto" layout is chosen from (``None`` when tp and pp are given).
+        self._layout_request = _layout_request(self._degrees, self._zero, self.checkpoint_plan, pp_schedule,
+                                               microbatches, virtual_stages, cluster)
         self._cluster = cluster
         #: The cost model's estimate of the layout chosen for tp="auto"/pp="auto" (``None`` otherwise).
         self.layout_estimate: Optional[Estimate] = None
@@ -637,6 +629,21 @@ def _check_pipeline_may_be_chosen(pp_split: Optional[Sequence[int]], save_distri
     if not save_distributed_checkpoint:
         raise ValueError(_CONSOLIDATED_WITH_PIPELINE.replace("pp > 1", "pp='auto'", 1)
                          + " (pp='auto' may choose a pipeline.)")
+
+
+def _layout_request(degrees: Mapping[str, Any], zero: int, checkpoint_plan: Optional[CheckpointPlan],
+                    pp_schedule: str, microbatches: Optional[int], virtual_stages: Optional[int],
+                    cluster: Optional[Cluster]) -> Optional[LayoutRequest]:
+    if cluster is not None and not isinstance(cluster, Cluster):
+        raise ValueError(f"HybridStrategy(cluster={cluster!r}) must be a lightning_hybrid.planning.Cluster.")
+    if AUTO not in (degrees["tp"], degrees["pp"]):
+        if cluster is not None:
+            raise ValueError("HybridStrategy(cluster=) describes the hardware for tp='auto'/pp='auto'; pass one of them.")
+        return None
+    return LayoutRequest(
+        **degrees, zero=zero, pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+        # the planner models full checkpointing; none is the upper bound for every-N-th and selective
+        activation_checkpointing="every" if checkpoint_plan == CheckpointPlan(every=1) else None)
 
 
 def _check_fixed_degrees_divide(world_size: int, degrees: Mapping[str, Any], cluster: Optional[Cluster], nodes: int,

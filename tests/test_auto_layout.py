@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, default_collate
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.auto_layout import (
     LayoutRequest,
-    all_reduce_bandwidth,
+    all_reduce_link,
     choose_layout,
     describe_choice,
     matmul_flops,
@@ -167,7 +167,7 @@ def test_the_log_line_names_the_choice_its_memory_and_the_runner_up() -> None:
 # ------------------------------------------------------------------------------------------------- hardware
 def test_cpu_probes_measure_positive_rates() -> None:
     assert 1e8 < matmul_flops(size=128, repeats=3) < 1e14  # any CPU: 0.1 GFLOP/s to 100 TFLOP/s
-    assert all_reduce_bandwidth() == float("inf")  # one process: no links to measure
+    assert all_reduce_link() == (0.0, float("inf"))  # one process: no links to measure
 
 
 # ------------------------------------------------------------------------------------------------- strategy
@@ -195,21 +195,24 @@ def test_fixed_degrees_and_the_cluster_are_checked_against_the_world_size() -> N
         Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(tp="auto", cluster=cluster(80)), logger=False)
 
 
-def _fit(strategy: HybridStrategy, model: str = "gpt") -> None:
+def _fit(strategy: HybridStrategy, model: str = "gpt", init: str = "eager") -> None:
     config = default_config(model)
     data = RandomTokenDataset(8, config["seq_len"], config["vocab_size"], seed=1)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
                       enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
     try:
-        trainer.fit(build_module(model), DataLoader(data, batch_size=4))
+        trainer.fit(build_module(model, init=init), DataLoader(data, batch_size=4))
     finally:  # Lightning leaves its one-process group behind; other tests start their own
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def test_one_device_chooses_the_only_layout_and_keeps_its_estimate() -> None:
+@pytest.mark.parametrize("init", ["eager", "meta"])
+def test_one_device_chooses_the_only_layout_and_keeps_its_estimate(init: str) -> None:
+    """Also for a model built on the meta device in configure_model: measured on meta tensors before it is
+    materialized."""
     strategy = HybridStrategy(tp="auto", pp="auto")
-    _fit(strategy)
+    _fit(strategy, init=init)
     assert strategy.layout_estimate is not None and strategy.layout_estimate.layout == Layout()
     assert strategy.dims is not None and strategy.dims.sizes == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
     # 4 sequences of 16 tokens of the GPT (2 blocks, width 32): its fp32 model states are 16 B per parameter.

@@ -126,11 +126,11 @@ def pp2_runs(tmp_path_factory: pytest.TempPathFactory):
     """``pp2_runs(model)``: one pp=2 run per schedule, all in one launch of two processes (cached per model)."""
 
     def run(model: str, folder: Path) -> dict[str, dict]:
-        names = [*SCHEDULES, *(["auto"] if model == "gpt" else [])]
+        names = [*SCHEDULES, *(list(AUTO_ENTRIES) if model == "gpt" else [])]
         results = run_sweep(
             ["--model", model, "--pp", 2, "--devices", 2, "--layers", LAYERS,
              "--tensorboard", folder / "tb", "--out", folder / "run.pt"],
-            [AUTO_ENTRY if name == "auto" else _pp2_entry(model, name) for name in names],
+            [AUTO_ENTRIES[name] if name in AUTO_ENTRIES else _pp2_entry(model, name) for name in names],
         )
         for index, result in enumerate(results):
             result["tensorboard"] = folder / "tb" / str(index) / "version_0"
@@ -143,16 +143,25 @@ def pp2_runs(tmp_path_factory: pytest.TempPathFactory):
 #: the harness's 8 sequences per data-parallel rank and 2 accumulation steps, the planner predicts dp2 1.73 MB (out of
 #: memory; it would also change the global batch and so the numbers), tp2 1.21 MB and pp2 (1F1B, 2 microbatches)
 #: 0.99 MB, pp2 the faster of the two.
-AUTO_ENTRY = {"dp": "auto", "tp": "auto", "pp": "auto", "cluster": {
-    "nodes": 1, "gpus_per_node": 2, "memory_bytes": 1.6e6, "peak_flops": 1e11, "intra_node_bandwidth": 1e9,
-    "inter_node_bandwidth": 1e9, "efficiency": 1.0}}
+#: "auto_probed": the same with dp fixed at 1 and the hardware probed (this CPU's matmul and gloo all-reduce): tp2
+#: or pp2, whichever the probe favours, must train like the reference.
+AUTO_ENTRIES = {
+    "auto": {"dp": "auto", "tp": "auto", "pp": "auto", "cluster": {
+        "nodes": 1, "gpus_per_node": 2, "memory_bytes": 1.6e6, "peak_flops": 1e11, "intra_node_bandwidth": 1e9,
+        "inter_node_bandwidth": 1e9, "efficiency": 1.0}},
+    "auto_probed": {"tp": "auto", "pp": "auto"},
+}
 
 
 @pytest.mark.slow
 def test_auto_layout_chooses_by_memory_and_trains_like_the_reference(reference_run: ReferenceFn, pp2_runs) -> None:
-    result = pp2_runs("gpt")["auto"]
-    assert result["auto_layout"] == "dp1 tp1 pp2 1f1b m2 z3"
-    assert_equivalent(reference_run("gpt", 1, LAYERS), result, rtol=RTOL)
+    reference = reference_run("gpt", 1, LAYERS)
+    chosen = pp2_runs("gpt")["auto"]
+    assert chosen["auto_layout"] == "dp1 tp1 pp2 1f1b m2 z3"
+    assert_equivalent(reference, chosen, rtol=RTOL)
+    probed = pp2_runs("gpt")["auto_probed"]
+    assert probed["auto_layout"] in ("dp1 tp2 pp1 acc2 z3", "dp1 tp1 pp2 1f1b m2 z3")
+    assert_equivalent(reference, probed, rtol=RTOL)
 
 
 def _pp2_entry(model: str, schedule: str) -> dict:

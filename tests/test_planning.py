@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def test_model_states_match_the_zero_paper_table_1() -> None:
     assert sharded.model_states / 1e9 == pytest.approx(1.88, rel=0.01)  # P_os+g+p 1.88 GB
     # FSDP2's ZeRO-2 keeps 16 B/param sharded plus the whole model gathered in bf16 (2 B/param): next to the
     # paper's P_os+g (2 B unsharded fp16 parameters + 14 B sharded) 16.6 GB. (ZeRO-1, P_os, is not offered.) The
-    # paper counts no transient buffers; FSDP2's two blocks of them at its measured peak are left out here.
+    # paper counts no transient buffers; FSDP2's two blocks of all-gather buffers at its measured peak are left out.
     buffers = 2 * 250_000_000 * 2
     assert (zero2.model_states + zero2.gathered_parameters - buffers) / 1e9 == pytest.approx(16.6, rel=0.03)
 
@@ -285,6 +286,32 @@ def test_plan_accumulates_rather_than_recomputes() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ links, rank
+def test_every_message_costs_the_latency() -> None:
+    """α–β: TINY (2 blocks) costs α more per all-reduce (4 per block and microbatch), pipeline message (2 per
+    microbatch) and FSDP collective (a gather per unit in forward and backward, a reduce-scatter per unit; units:
+    2 blocks + root)."""
+    alpha = 1e-3
+
+    def times(layout: Layout, latency: float, global_batch: int = 16) -> Any:
+        return estimate(TINY, replace(two_gpus(), latency=latency), layout, global_batch, "32-true").time
+
+    tp2 = [times(Layout(tp=2, microbatches=2), latency) for latency in (0.0, alpha)]
+    assert tp2[1].tensor_parallel - tp2[0].tensor_parallel == pytest.approx(2 * 4 * 2 * alpha)
+    pp2 = [times(Layout(pp=2, microbatches=4), latency) for latency in (0.0, alpha)]
+    assert pp2[1].pipeline - pp2[0].pipeline == pytest.approx(2 * 4 * alpha)
+    dp2 = [times(Layout(dp=2), latency) for latency in (0.0, alpha)]
+    assert dp2[1].data_parallel - dp2[0].data_parallel == pytest.approx((2 + 1) * 3 * alpha)
+    assert times(Layout(dp=2), alpha, global_batch=4096).data_parallel_exposed == 0  # hidden behind compute
+
+
+def test_without_overlap_all_data_parallel_traffic_shows() -> None:
+    overlapping = estimate(TINY, two_gpus(), Layout(dp=2), 4096, "32-true").time
+    serial = estimate(TINY, replace(two_gpus(), overlap_communication=False), Layout(dp=2), 4096, "32-true").time
+    assert overlapping.data_parallel_exposed == 0
+    assert serial.data_parallel_exposed == pytest.approx(serial.data_parallel) and serial.data_parallel > 0
+    assert serial.step == pytest.approx(overlapping.step + serial.data_parallel)
+
+
 def test_a_group_is_intra_node_when_its_ranks_fit_in_one_node() -> None:
     cluster = two_nodes_of_four()
     intra, inter = 100e9, 10e9
@@ -409,6 +436,14 @@ def test_cli_prints_a_ranked_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert all("NO: " in row for row in rows[3:])
     steps = [float(row.split()[-4]) for row in rows[:3]]  # ... step s, tokens/s, MFU, yes
     assert steps == sorted(steps)
+
+
+def test_cli_latency_is_charged_per_message(capsys: pytest.CaptureFixture[str]) -> None:
+    main(TINY_ARGS + ["--json", "--latency-us", "1000"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["cluster"]["latency"] == pytest.approx(1e-3)
+    main(TINY_ARGS + ["--top", "1", "--latency-us", "250"])
+    assert "250 µs per message" in capsys.readouterr().out
 
 
 def test_cli_json_output(capsys: pytest.CaptureFixture[str]) -> None:
