@@ -30,7 +30,7 @@ import os
 import re
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -95,19 +95,29 @@ def _options(degree: Degree, world: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------- choosing
+@dataclass(frozen=True)
+class Obstacles:
+    """Why the module cannot take some layouts, beyond the cost model's own reasons."""
+
+    tensor_parallel: Mapping[int, str] = field(default_factory=dict)  # tp degree → why the blocks refuse it
+    pipeline: Optional[str] = None  # why the module cannot be pipelined at all
+
+    def reasons(self, layout: Layout) -> tuple[str, ...]:
+        reasons = [self.tensor_parallel[layout.tp]] if layout.tp in self.tensor_parallel else []
+        return (*reasons, *([self.pipeline] if self.pipeline and layout.pp > 1 else []))
+
+
 def choose_layout(model: ModelShape, cluster: Cluster, request: LayoutRequest, per_rank_batch: int, precision: str,
-                  accumulation: int = 1, obstacles: Optional[Mapping[int, str]] = None) -> list[Estimate]:
+                  accumulation: int = 1, obstacles: Obstacles = Obstacles()) -> list[Estimate]:
     """Estimates of every layout ``request`` leaves open, ranked: feasible ones by tokens per second (most first;
     ties: less memory), then the infeasible ones, nearest to fitting first. ``per_rank_batch`` is the DataLoader's
-    batch (sequences per data-parallel rank and step); ``obstacles`` maps a tensor-parallel degree to why the
-    blocks cannot take it. Raises ``ValueError`` saying what would fit when nothing does."""
+    batch (sequences per data-parallel rank and step). Raises ``ValueError`` saying what would fit when nothing
+    does."""
     estimates = []
     for layout in request.layouts(cluster.gpus, accumulation):
         global_batch = per_rank_batch * layout.dp * layout.dp_replicate * layout.accumulation_steps
         result = estimate(model, cluster, layout, global_batch, precision)
-        if obstacles and layout.tp in obstacles:
-            result = replace(result, reasons=(*result.reasons, obstacles[layout.tp]))
-        estimates.append(result)
+        estimates.append(replace(result, reasons=(*result.reasons, *obstacles.reasons(layout))))
     feasible = sorted((e for e in estimates if e.feasible), key=lambda e: (-e.tokens_per_second, e.memory.total))
     infeasible = sorted((e for e in estimates if not e.feasible),
                         key=lambda e: (len(e.reasons) - e.out_of_memory, e.memory.total))
@@ -118,7 +128,7 @@ def choose_layout(model: ModelShape, cluster: Cluster, request: LayoutRequest, p
 
 
 def _nothing_fits(model: ModelShape, cluster: Cluster, request: LayoutRequest, per_rank_batch: int, precision: str,
-                  accumulation: int, obstacles: Optional[Mapping[int, str]], ranked: list[Estimate]) -> str:
+                  accumulation: int, obstacles: Obstacles, ranked: list[Estimate]) -> str:
     nearest = ranked[0] if ranked else None
     message = (f"HybridStrategy(tp={request.tp!r}, pp={request.pp!r}) found no layout of {cluster.gpus} devices that"
                f" can train this model with {per_rank_batch} sequences of {model.seq_len} tokens per data-parallel"

@@ -46,6 +46,7 @@ from lightning_hybrid.activation_checkpointing import ActivationCheckpointing, C
 from lightning_hybrid.auto_layout import (
     AUTO,
     LayoutRequest,
+    Obstacles,
     choose_layout,
     describe_choice,
     detect_cluster,
@@ -378,7 +379,9 @@ class HybridStrategy(ModelParallelStrategy):
             model, tokens = measure_model(module, blocks_path, block_call)
             degrees = range(1, self.world_size + 1) if request.tp == AUTO else [int(request.tp)]
             overrides = block_tp_overrides(module, self._tp_plan, blocks_path, len(blocks))
-            obstacles = tensor_parallel_obstacles(blocks[0], block_call, degrees, overrides)
+            obstacles = Obstacles(
+                tensor_parallel=tensor_parallel_obstacles(blocks[0], block_call, degrees, overrides),
+                pipeline=None if module.automatic_optimization else _PIPELINE_NEEDS_AUTOMATIC_OPTIMIZATION)
         if self._cluster is not None:
             cluster, hardware = self._cluster, "as given (cluster=)"
         else:
@@ -408,11 +411,8 @@ class HybridStrategy(ModelParallelStrategy):
         """Trace one step, split it into stages, and keep meta-device stand-ins of every unit."""
         assert self.pp_schedule is not None
         if not module.automatic_optimization:
-            raise ValueError(
-                "HybridStrategy(pp > 1) runs forward and backward of all microbatches inside the pipeline schedule,"
-                " so it needs automatic optimization; manual_backward() cannot be pipelined. Set"
-                " self.automatic_optimization = True or use pp=1."
-            )
+            raise ValueError(f"HybridStrategy(pp > 1): {_PIPELINE_NEEDS_AUTOMATIC_OPTIMIZATION}. Set"
+                             " self.automatic_optimization = True or use pp=1.")
         trace = trace_step(module, blocks, lambda: self._run_first_step(trainer))
         split = plan_split(module, blocks_path, blocks, trace, self.pp_schedule.num_stages, self._pp_split)
         rank_zero_info(
@@ -614,6 +614,10 @@ def _let_pytorch_lightning_reach_our_message() -> None:
         standalone.Strategy.register(HybridStrategy)
 
 
+_PIPELINE_NEEDS_AUTOMATIC_OPTIMIZATION = (
+    "the pipeline runs forward and backward of all microbatches inside its schedule, so it needs automatic"
+    " optimization; manual_backward() cannot be pipelined"
+)
 _CONSOLIDATED_WITH_PIPELINE = (
     # Lightning's consolidated save gathers on global rank 0, which holds only the first stage.
     "HybridStrategy(pp > 1, save_distributed_checkpoint=False) would write only the first pipeline stage's parameters"

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, default_collate
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.auto_layout import (
     LayoutRequest,
+    Obstacles,
     all_reduce_link,
     choose_layout,
     describe_choice,
@@ -134,10 +135,21 @@ def test_fixed_degrees_and_obstacles_narrow_the_candidates() -> None:
     only_tp2 = choose_layout(MODEL, cluster(80, gpus=8), LayoutRequest(tp=2), 4, "bf16-mixed")
     assert {e.layout.tp for e in only_tp2} == {2} and {e.layout.pp for e in only_tp2} == {1, 2, 4}
     refused = {2: "tensor parallelism: no"}
-    ranked = choose_layout(MODEL, cluster(80), LayoutRequest(dp=1), 4, "bf16-mixed", obstacles=refused)
+    ranked = choose_layout(MODEL, cluster(80), LayoutRequest(dp=1), 4, "bf16-mixed", obstacles=Obstacles(refused))
     by_layout = {(e.layout.tp, e.layout.pp): e for e in ranked}
     assert set(by_layout) == {(1, 4), (2, 2), (4, 1)}
     assert by_layout[(2, 2)].reasons == ("tensor parallelism: no",) and by_layout[(1, 4)].feasible
+
+
+def test_a_module_that_cannot_be_pipelined_gets_no_pipeline() -> None:
+    """The strategy passes why (manual optimization) and every pp > 1 layout is ruled out with that reason, even
+    where a pipeline is what memory calls for (2 GiB: only dp1 tp1 pp4 fits, above)."""
+    why = "the pipeline needs automatic optimization"
+    ranked = choose_layout(MODEL, cluster(80), LayoutRequest(), 4, "bf16-mixed", obstacles=Obstacles(pipeline=why))
+    assert ranked[0].layout.pp == 1
+    assert all(why in e.reasons for e in ranked if e.layout.pp > 1)
+    with pytest.raises(ValueError, match=r"The nearest, dp1 tp4 pp1 z3: out of memory: 5.2 GiB per GPU"):
+        choose_layout(MODEL, cluster(2), LayoutRequest(), 8, "bf16-mixed", obstacles=Obstacles(pipeline=why))
 
 
 def test_accumulation_is_the_planners_microbatches_without_a_pipeline() -> None:
