@@ -6,8 +6,10 @@ Read from the run, not from names:
 * the model's sizes: parameter counts per block and outside the blocks (:meth:`ModelShape.measure`);
 * heads, key/value heads and sequence length: from the attention the first block computes on the first batch
   (``scaled_dot_product_attention``'s query and key, or a softmax over sequence × sequence scores);
-* which tensor-parallel degrees the blocks allow: the tensor-parallel planner's own checks
-  (:func:`~lightning_hybrid.tensor_parallel.plan_block`) for each candidate degree;
+* which tensor-parallel degrees the blocks allow: the tensor-parallel planner's own checks for each candidate
+  degree — by structure (:func:`~lightning_hybrid.tensor_parallel.plan_block`) and, with ``verify_tp_plan``, the
+  numeric plan check the strategy runs at setup, on a temporary mesh of that degree (a block that derives its head
+  size from the input width, as nanoGPT's does, passes the first and fails the second);
 * the hardware (:func:`detect_cluster`): a GPU by its name from :data:`~lightning_hybrid.planning.GPU_PRESETS`
   (memory from the device); a CPU by a short probe (matmul FLOP/s per process with every process busy, all-reduce
   latency and bandwidth over the job; no overlap of communication with compute). ``HybridStrategy(cluster=Cluster(...))`` replaces the detection.
@@ -38,10 +40,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import get_available_flops
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_hybrid.dataflow import trace_block
+from lightning_hybrid.parallelize import block_tp_overrides, plan_tensor_parallel
 from lightning_hybrid.planning import GIB, GPU_PRESETS, PLANNED_SCHEDULES, Cluster, Estimate, Layout, ModelShape, estimate
 from lightning_hybrid.tensor_parallel import PlanEntry, plan_block
 
@@ -250,18 +254,27 @@ def _tokens_in(block_call: tuple[tuple, dict], hidden: int) -> int:
     return 0
 
 
-def tensor_parallel_obstacles(block: nn.Module, block_call: tuple[tuple, dict], degrees: Sequence[int],
-                              overrides: Mapping[str, PlanEntry]) -> dict[int, str]:
-    """``{tp: why not}`` for the degrees the tensor-parallel planner refuses for this block (heads, widths)."""
+def tensor_parallel_obstacles(root: nn.Module, blocks_path: str, block_call: tuple[tuple, dict],
+                              degrees: Sequence[int], tp_plan: Mapping[str, PlanEntry],
+                              check_on: Optional[str] = None) -> dict[int, str]:
+    """``{tp: why not}`` for the degrees the tensor-parallel planner refuses for the first block: by structure
+    (heads, widths); with ``check_on`` (a device type; every process must call) also by the numeric plan check the
+    strategy runs at setup, each degree on a temporary mesh of its size."""
+    blocks = root.get_submodule(blocks_path)
+    overrides = block_tp_overrides(root, tp_plan, blocks_path, len(blocks))
     args, kwargs = block_call
-    trace = trace_block(block, args, kwargs)
+    trace = trace_block(blocks[0], args, kwargs)
     obstacles = {}
     for tp in degrees:
-        if tp > 1:
-            try:
-                plan_block(block, trace, tp, overrides)
-            except ValueError as error:
-                obstacles[tp] = f"tensor parallelism: {error}"
+        if tp == 1:
+            continue
+        try:
+            plan_block(blocks[0], trace, tp, overrides)
+            if check_on is not None:
+                mesh = init_device_mesh(check_on, (dist.get_world_size() // tp, tp), mesh_dim_names=("rest", "tp"))
+                plan_tensor_parallel(root, blocks_path, blocks, block_call, mesh["tp"], tp_plan=tp_plan, verify=True)
+        except (ValueError, RuntimeError) as error:
+            obstacles[tp] = f"tensor parallelism: {error}"
     return obstacles
 
 

@@ -56,24 +56,12 @@ def apply_tensor_parallel(
     blocks of this rank's pipeline stages) and to ``tp_plan``'s other entries. Returns the applied plan as
     ``{module name pattern: style}``."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
-    in_block = _per_block_overrides(overrides, blocks_path, len(blocks))
     outside = {name: entry for name, entry in overrides.items() if not name.startswith(blocks_path + ".")}
-
-    accelerator_rng = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
-    with torch.random.fork_rng(devices=accelerator_rng):  # planning must not shift the user's random streams
-        reference = _reference_copy(blocks[0], mesh)
-        args, kwargs = _check_inputs(block_call, reference, mesh)
-        was_training = reference.training
-        reference.eval()  # dropout would make the unsharded and sharded outputs differ
-        trace = trace_block(reference, args, kwargs)
-        custom, candidates = plan_block(reference, trace, mesh.size(), in_block)
-        groups = [_settle_group(reference, options, args, kwargs, mesh, verify, blocks_path) for options in candidates]
-        plan = BlockPlan(groups=groups, custom=custom)
-        if verify:
-            _verify_whole_plan(reference, plan, args, kwargs, mesh, blocks_path)
-    if not groups and not custom:
+    plan = plan_tensor_parallel(root, blocks_path, blocks, block_call, mesh, tp_plan=tp_plan, verify=verify)
+    if not plan.groups and not plan.custom:
         log.warning(f"Tensor parallelism found no linear pairs to shard in {type(blocks[0]).__name__}; tp only replicates.")
     for block in blocks if apply_to is None else apply_to:
+        was_training = block.training
         apply_block_plan(block, plan, mesh)
         block.train(was_training)
     for name, entry in outside.items():
@@ -81,6 +69,34 @@ def apply_tensor_parallel(
         if style is not None:
             parallelize_module(root.get_submodule(name), mesh, style)
     return {**plan.describe(f"{blocks_path}.*"), **{name: str(entry) for name, entry in outside.items()}}
+
+
+def plan_tensor_parallel(
+    root: nn.Module,
+    blocks_path: str,
+    blocks: nn.Module,
+    block_call: tuple[tuple, dict],
+    mesh: DeviceMesh,
+    *,
+    tp_plan: Mapping[str, PlanEntry],
+    verify: bool,
+) -> BlockPlan:
+    """The plan for every block, from the first block's data flow on ``block_call``; with ``verify``, each pair
+    group's candidates and then the whole plan are checked against the unsharded block on ``mesh`` (collective
+    over it; raises ``RuntimeError`` naming the layers to keep whole if no candidate computes the same)."""
+    in_block = block_tp_overrides(root, tp_plan, blocks_path, len(blocks))
+    accelerator_rng = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
+    with torch.random.fork_rng(devices=accelerator_rng):  # planning must not shift the user's random streams
+        reference = _reference_copy(blocks[0], mesh)
+        args, kwargs = _check_inputs(block_call, reference, mesh)
+        reference.eval()  # dropout would make the unsharded and sharded outputs differ
+        trace = trace_block(reference, args, kwargs)
+        custom, candidates = plan_block(reference, trace, mesh.size(), in_block)
+        groups = [_settle_group(reference, options, args, kwargs, mesh, verify, blocks_path) for options in candidates]
+        plan = BlockPlan(groups=groups, custom=custom)
+        if verify:
+            _verify_whole_plan(reference, plan, args, kwargs, mesh, blocks_path)
+    return plan
 
 
 def block_tp_overrides(root: nn.Module, tp_plan: Mapping[str, PlanEntry], blocks_path: str,

@@ -67,7 +67,7 @@ from lightning_hybrid.blocks import capture_block_call, find_block_list
 from lightning_hybrid.initialization import materialize_meta_module
 from lightning_hybrid.monitoring import ParallelMonitor
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims, check_degrees
-from lightning_hybrid.parallelize import apply_tensor_parallel, block_tp_overrides
+from lightning_hybrid.parallelize import apply_tensor_parallel
 from lightning_hybrid.planning import Cluster, Estimate
 from lightning_hybrid.resume import SamplerEpochOnResume
 from lightning_hybrid.pipeline import Pipeline, PipelineSchedule, make_shadows, muted_logs
@@ -377,10 +377,12 @@ class HybridStrategy(ModelParallelStrategy):
         accelerator_rng = [self.root_device] if self.root_device.type == "cuda" else []
         with torch.random.fork_rng(devices=accelerator_rng):  # measuring must not shift the user's random streams
             model, tokens = measure_model(module, blocks_path, block_call)
-            degrees = range(1, self.world_size + 1) if request.tp == AUTO else [int(request.tp)]
-            overrides = block_tp_overrides(module, self._tp_plan, blocks_path, len(blocks))
+            degrees = [k for k in range(2, self.world_size + 1) if self.world_size % k == 0]
+            degrees = degrees if request.tp == AUTO else [int(request.tp)]
+            check_on = self.root_device.type if self._verify_tp_plan else None
             obstacles = Obstacles(
-                tensor_parallel=tensor_parallel_obstacles(blocks[0], block_call, degrees, overrides),
+                tensor_parallel=tensor_parallel_obstacles(module, blocks_path, block_call, degrees, self._tp_plan,
+                                                          check_on),
                 pipeline=None if module.automatic_optimization else _PIPELINE_NEEDS_AUTOMATIC_OPTIMIZATION)
         if self._cluster is not None:
             cluster, hardware = self._cluster, "as given (cluster=)"

@@ -84,7 +84,7 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0) -> tuple[P
                 "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
     if devices > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(devices), NODE_RANK="0")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(devices), NODE_RANK="0")
     command = [sys.executable, str(SCRIPT), *args]
     for path in expected:
         path.unlink(missing_ok=True)  # never load a stale result from an earlier run
@@ -115,7 +115,7 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0) -> tuple[P
     return out, run_s
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

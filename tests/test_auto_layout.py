@@ -6,11 +6,14 @@ The multi-rank run that trains with a chosen layout and matches single-process L
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from lightning.pytorch import Trainer
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
@@ -28,6 +31,8 @@ from lightning_hybrid.auto_layout import (
 )
 from lightning_hybrid.blocks import capture_block_call, find_block_list
 from lightning_hybrid.planning import GIB, Cluster, Layout, ModelShape, estimate
+from tests import block_zoo
+from tests.helpers import free_port
 from tests.models import MODEL_NAMES, RandomTokenDataset, build_module, default_config
 
 #: Heads, key/value heads and whether the model materializes attention scores, from each test model's config.
@@ -60,7 +65,7 @@ def test_measuring_runs_the_block_on_a_copy_of_its_inputs() -> None:
     path, blocks, call = _first_block_call(module)
     before = [t.clone() for t in call[0] if isinstance(t, torch.Tensor)]
     measure_model(module, path, call)
-    tensor_parallel_obstacles(blocks[0], call, [2], {})  # would fail on a grown cache: key length 32 vs mask 16
+    tensor_parallel_obstacles(module, path, call, [2], {})  # would fail on a grown cache: key length 32 vs mask 16
     assert all(torch.equal(a, b) for a, b in zip(before, [t for t in call[0] if isinstance(t, torch.Tensor)]))
 
 
@@ -85,15 +90,45 @@ def test_a_model_without_attention_asks_for_explicit_degrees() -> None:
 def test_tensor_parallel_degrees_are_ruled_out_by_the_tensor_parallel_planner() -> None:
     """GPT: 4 heads of 8 in a fused qkv; Llama: 4 query heads, 2 key/value heads."""
     gpt, llama = build_module("gpt"), build_module("llama")
-    _, gpt_blocks, gpt_call = _first_block_call(gpt)
-    _, llama_blocks, llama_call = _first_block_call(llama)
-    gpt_obstacles = tensor_parallel_obstacles(gpt_blocks[0], gpt_call, [1, 2, 3, 4, 8], {})
-    llama_obstacles = tensor_parallel_obstacles(llama_blocks[0], llama_call, [1, 2, 4], {})
+    gpt_path, _, gpt_call = _first_block_call(gpt)
+    llama_path, _, llama_call = _first_block_call(llama)
+    gpt_obstacles = tensor_parallel_obstacles(gpt, gpt_path, gpt_call, [1, 2, 3, 4, 8], {})
+    llama_obstacles = tensor_parallel_obstacles(llama, llama_path, llama_call, [1, 2, 4], {})
     assert sorted(gpt_obstacles) == [3, 8] and "reshaped into 4 × 8" in gpt_obstacles[3]
     assert sorted(llama_obstacles) == [4] and "'attention.wk'" in llama_obstacles[4]
     # With the user's entries keeping attention whole, only the MLP (width 32 → 128 → 32) is sharded: 8 divides it.
-    whole = {"attn.qkv": "replicate", "attn.proj": "replicate"}
-    assert sorted(tensor_parallel_obstacles(gpt_blocks[0], gpt_call, [3, 8], whole)) == [3]
+    whole = {f"{gpt_path}.*.attn.qkv": "replicate", f"{gpt_path}.*.attn.proj": "replicate"}
+    assert sorted(tensor_parallel_obstacles(gpt, gpt_path, gpt_call, [3, 8], whole)) == [3]
+
+
+def _obstacles_on_two_ranks(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
+        for style, check_on in (("nanogpt", None), ("nanogpt", "cpu"), ("timm", "cpu")):
+            root = nn.Module()
+            root.blocks = nn.ModuleList([block_zoo.build(style)])
+            found = tensor_parallel_obstacles(root, "blocks", ((x,), {}), [2], {}, check_on=check_on)
+            if rank == 0:
+                results[f"{style}-{check_on}"] = found
+    finally:
+        dist.barrier()  # leave together: gloo aborts a process whose peer tears down mid-conversation
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_numeric_plan_check_rules_out_what_structure_cannot() -> None:
+    """nanoGPT derives the head size from the input width (C // n_head): structurally tp=2 divides everything, but
+    the sharded block computes something else; the check the strategy runs at setup, run per candidate degree on a
+    temporary mesh, rules tp=2 out before the layout is chosen. A timm block passes both."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_obstacles_on_two_ranks, args=(free_port(), results), nprocs=2)
+        results = dict(results)
+    assert results["nanogpt-None"] == {}
+    assert "Tensor parallel plan check failed for SequentialBlock" in results["nanogpt-cpu"][2]
+    assert results["timm-cpu"] == {}
 
 
 # ------------------------------------------------------------------------------------------------- choosing

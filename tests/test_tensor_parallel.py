@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 from datetime import timedelta
-import socket
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 from lightning_hybrid.dataflow import trace_block
 from lightning_hybrid.tensor_parallel import plan_block, resolve_overrides
 from tests import block_zoo
+from tests.helpers import free_port
 from tests.models import GPTConfig, GPTBlock, LlamaBlock, LlamaConfig, rope_tables
 
 
@@ -131,12 +131,6 @@ def test_plan_patterns_must_match_and_name_a_style() -> None:
 
 
 # ------------------------------------------------------------------------------------------- two-rank checks
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _sharded_vs_unsharded(rank: int, port: int, style: str, results: dict, tp_plan: dict) -> None:
     """Apply the automatic plan on 2 ranks and measure output/gradient differences against the whole block."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -184,7 +178,7 @@ def _shut_down() -> None:
 def _run_two_ranks(style: str, tp_plan: dict | None = None) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_sharded_vs_unsharded, args=(_free_port(), style, results, tp_plan or {}), nprocs=2)
+        mp.spawn(_sharded_vs_unsharded, args=(free_port(), style, results, tp_plan or {}), nprocs=2)
         return dict(results)
 
 
@@ -254,7 +248,7 @@ def _plan_on_meta(rank: int, port: int, style: str, results: dict) -> None:
 def test_plan_check_works_for_a_meta_device_model() -> None:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_plan_on_meta, args=(_free_port(), "timm", results), nprocs=2)
+        mp.spawn(_plan_on_meta, args=(free_port(), "timm", results), nprocs=2)
         results = dict(results)
     assert results["still_meta"]  # nothing but the checked copy was materialized
     assert results["plan"]["blocks.*.attn.qkv"] == "colwise (strided x3)"
@@ -332,7 +326,7 @@ def _hugging_face_vs_unsharded(rank: int, port: int, name: str, tp_plan: dict, r
 def _run_hugging_face(name: str, tp_plan: dict | None = None) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_hugging_face_vs_unsharded, args=(_free_port(), name, tp_plan or {}, results), nprocs=2)
+        mp.spawn(_hugging_face_vs_unsharded, args=(free_port(), name, tp_plan or {}, results), nprocs=2)
         return dict(results)
 
 
