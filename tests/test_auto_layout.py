@@ -247,11 +247,16 @@ def _fit(strategy: HybridStrategy, model: str = "gpt", init: str = "eager") -> N
     data = RandomTokenDataset(8, config["seq_len"], config["vocab_size"], seed=1)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
                       enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    environment = dict(os.environ)
     try:
         trainer.fit(build_module(model, init=init), DataLoader(data, batch_size=4))
-    finally:  # Lightning leaves its one-process group behind; other tests start their own
+    finally:
+        # Lightning leaves its one-process group and its launch variables (LOCAL_RANK, MASTER_PORT, ...) behind; a
+        # later multi-process launch would inherit LOCAL_RANK and take itself for an already launched rank (hang).
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 @pytest.mark.parametrize("init", ["eager", "meta"])
