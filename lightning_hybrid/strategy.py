@@ -68,7 +68,7 @@ from lightning_hybrid.initialization import materialize_meta_module
 from lightning_hybrid.monitoring import ParallelMonitor
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims, check_degrees
 from lightning_hybrid.parallelize import apply_tensor_parallel
-from lightning_hybrid.planning import Cluster, Estimate
+from lightning_hybrid.planning import Cluster, Estimate, Layout, ModelShape
 from lightning_hybrid.resume import SamplerEpochOnResume
 from lightning_hybrid.pipeline import Pipeline, PipelineSchedule, make_shadows, muted_logs
 from lightning_hybrid.precision import HybridHalfPrecision, HybridPrecision, precision_plugin_for
@@ -374,16 +374,7 @@ class HybridStrategy(ModelParallelStrategy):
         assert self._layout_request is not None
         request, precision = self._layout_request, str(self.precision_plugin.precision)
         block_call = capture_block_call(blocks[0], lambda: self._run_first_step(trainer))
-        accelerator_rng = [self.root_device] if self.root_device.type == "cuda" else []
-        with torch.random.fork_rng(devices=accelerator_rng):  # measuring must not shift the user's random streams
-            model, tokens = measure_model(module, blocks_path, block_call)
-            degrees = [k for k in range(2, self.world_size + 1) if self.world_size % k == 0]
-            degrees = degrees if request.tp == AUTO else [int(request.tp)]
-            check_on = self.root_device.type if self._verify_tp_plan else None
-            obstacles = Obstacles(
-                tensor_parallel=tensor_parallel_obstacles(module, blocks_path, block_call, degrees, self._tp_plan,
-                                                          check_on),
-                pipeline=None if module.automatic_optimization else _PIPELINE_NEEDS_AUTOMATIC_OPTIMIZATION)
+        model, tokens, obstacles = self._measure_module(module, blocks_path, block_call)
         if self._cluster is not None:
             cluster, hardware = self._cluster, "as given (cluster=)"
         else:
@@ -398,16 +389,36 @@ class HybridStrategy(ModelParallelStrategy):
         if isinstance(outcome, str):
             raise ValueError(outcome)
         self.layout_estimate, description = outcome
-        layout = self.layout_estimate.layout
+        rank_zero_info(f"HybridStrategy(tp={request.tp!r}, pp={request.pp!r}) {description}")
+        self._adopt_layout(self.layout_estimate.layout)
+        return block_call
+
+    def _measure_module(self, module: Any, blocks_path: str,
+                        block_call: tuple[tuple, dict]) -> tuple[ModelShape, int, Obstacles]:
+        """The module's shape, the tokens of its first batch, and the layouts it cannot take."""
+        assert self._layout_request is not None
+        accelerator_rng = [self.root_device] if self.root_device.type == "cuda" else []
+        with torch.random.fork_rng(devices=accelerator_rng):  # measuring must not shift the user's random streams
+            model, tokens = measure_model(module, blocks_path, block_call)
+            degrees = [k for k in range(2, self.world_size + 1) if self.world_size % k == 0]
+            if self._layout_request.tp != AUTO:
+                degrees = [int(self._layout_request.tp)]
+            check_on = self.root_device.type if self._verify_tp_plan else None
+            obstacles = Obstacles(
+                tensor_parallel=tensor_parallel_obstacles(module, blocks_path, block_call, degrees, self._tp_plan,
+                                                          check_on),
+                pipeline=None if module.automatic_optimization else _PIPELINE_NEEDS_AUTOMATIC_OPTIMIZATION)
+        return model, tokens, obstacles
+
+    def _adopt_layout(self, layout: Layout) -> None:
+        """Take a chosen layout's degrees and pipeline schedule, and build its mesh."""
         self._degrees = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "dp_replicate": layout.dp_replicate}
         self.dims = ParallelDims(world_size=self.world_size, **self._degrees)
         if layout.pp > 1:
             schedule, virtual_stages, microbatches = self._pipeline_options
             self.pp_schedule = PipelineSchedule.resolve(schedule, layout.pp, virtual_stages, microbatches)
             _check_checkpointing_with_schedule(self.checkpoint_plan, self.pp_schedule)
-        rank_zero_info(f"HybridStrategy(tp={request.tp!r}, pp={request.pp!r}) {description}")
         self._build_mesh()
-        return block_call
 
     def _split_into_stages(self, trainer: Trainer, module: Any, blocks_path: str, blocks: Any) -> Pipeline:
         """Trace one step, split it into stages, and keep meta-device stand-ins of every unit."""
