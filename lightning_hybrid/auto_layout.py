@@ -33,7 +33,7 @@ import re
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,11 +46,21 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_hybrid.dataflow import trace_block
 from lightning_hybrid.parallelize import block_tp_overrides, plan_tensor_parallel
-from lightning_hybrid.planning import GIB, GPU_PRESETS, PLANNED_SCHEDULES, Cluster, Estimate, Layout, ModelShape, estimate
+from lightning_hybrid.mesh import Degree
+from lightning_hybrid.planning import (
+    GIB,
+    GPU_PRESETS,
+    PLANNED_SCHEDULES,
+    Cluster,
+    Estimate,
+    Layout,
+    ModelShape,
+    divisors,
+    estimate,
+)
 from lightning_hybrid.tensor_parallel import PlanEntry, plan_block
 
 AUTO = "auto"
-Degree = Union[int, str]
 
 
 # ------------------------------------------------------------------------------------------------ the request
@@ -95,7 +105,7 @@ class LayoutRequest:
 
 
 def _options(degree: Degree, world: int) -> list[int]:
-    return [k for k in range(1, world + 1) if world % k == 0] if degree == AUTO else [int(degree)]
+    return divisors(world) if degree == AUTO else [int(degree)]
 
 
 # ------------------------------------------------------------------------------------------------- choosing

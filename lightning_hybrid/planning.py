@@ -706,7 +706,8 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
                     mfu=model_flops / (seconds * cluster.gpus * cluster.peak_flops), reasons=tuple(reasons))
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending: the degrees a dimension of ``n`` devices can take."""
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
@@ -717,19 +718,19 @@ def candidate_layouts(cluster: Cluster, global_batch: int, schedules: Sequence[s
     schedule with each microbatch count ≥ pp that divides a replica's batch (the default count if none does); with
     pp = 1, each gradient-accumulation count that divides it (1 written as ``microbatches=None``)."""
     layouts = []
-    for tp, pp, replicate in itertools.product(_divisors(cluster.gpus), repeat=3):
+    for tp, pp, replicate in itertools.product(divisors(cluster.gpus), repeat=3):
         if cluster.gpus % (tp * pp * replicate):
             continue
         dp = cluster.gpus // (tp * pp * replicate)
         per_replica = global_batch // (dp * replicate) if global_batch % (dp * replicate) == 0 else 0
         base = Layout(dp=dp, tp=tp, pp=pp, dp_replicate=replicate)
         if pp > 1:
-            counts = [k for k in _divisors(per_replica) if k >= pp] or [None]
+            counts = [k for k in divisors(per_replica) if k >= pp] or [None]
             variants = [replace(base, pp_schedule=name, microbatches=count,
                                 virtual_stages=2 if name == "interleaved_1f1b" else 1)
                         for name in schedules for count in counts]
         else:
-            variants = [replace(base, microbatches=k if k > 1 else None) for k in _divisors(per_replica) or [1]]
+            variants = [replace(base, microbatches=k if k > 1 else None) for k in divisors(per_replica) or [1]]
         layouts += [replace(layout, zero=zero, activation_checkpointing=mode)
                     for layout in variants for zero in zero_levels for mode in checkpointing]
     return layouts

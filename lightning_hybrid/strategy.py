@@ -68,7 +68,7 @@ from lightning_hybrid.initialization import materialize_meta_module
 from lightning_hybrid.monitoring import ParallelMonitor
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims, check_degrees
 from lightning_hybrid.parallelize import apply_tensor_parallel
-from lightning_hybrid.planning import Cluster, Estimate, Layout, ModelShape
+from lightning_hybrid.planning import Cluster, Estimate, Layout, ModelShape, divisors
 from lightning_hybrid.resume import SamplerEpochOnResume
 from lightning_hybrid.pipeline import Pipeline, PipelineSchedule, make_shadows, muted_logs
 from lightning_hybrid.precision import HybridHalfPrecision, HybridPrecision, precision_plugin_for
@@ -400,7 +400,7 @@ class HybridStrategy(ModelParallelStrategy):
         accelerator_rng = [self.root_device] if self.root_device.type == "cuda" else []
         with torch.random.fork_rng(devices=accelerator_rng):  # measuring must not shift the user's random streams
             model, tokens = measure_model(module, blocks_path, block_call)
-            degrees = [k for k in range(2, self.world_size + 1) if self.world_size % k == 0]
+            degrees = divisors(self.world_size)[1:]  # tp = 1 needs no check
             if self._layout_request.tp != AUTO:
                 degrees = [int(self._layout_request.tp)]
             check_on = self.root_device.type if self._verify_tp_plan else None
