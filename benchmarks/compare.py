@@ -65,7 +65,7 @@ Peak memory
     bookkeeping refuses, and Lightning runs forward inside ``optimizer.step``); the phase of the peak and its
     breakdown by category are kept (``--json``). Reported: the maximum over ranks.
 Communication
-    ``lightning_hybrid.counting.StepCounter`` around the step after the timed ones: bytes of the full tensor each
+    ``lightning_hybrid.observe.counting.StepCounter`` around the step after the timed ones: bytes of the full tensor each
     collective works on, per collective type. :func:`make_comm_counter` also counts calls per type (``barrier``
     included: no payload, but a synchronization of all ranks) and books collectives on 1-rank process groups apart
     (no byte leaves the process; listed under the table). Reported: the maximum over ranks per type. Theoretical
@@ -204,7 +204,7 @@ def make_comm_counter() -> Any:
     (Subclassed here, on first use, so the parent process never imports ``lightning_hybrid``.)"""
     import torch.distributed as dist
 
-    from lightning_hybrid.counting import COLLECTIVE_TYPES, StepCounter
+    from lightning_hybrid.observe.counting import COLLECTIVE_TYPES, StepCounter
 
     class _CommCounter(StepCounter):
         def __init__(self) -> None:

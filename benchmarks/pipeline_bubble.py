@@ -45,8 +45,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.pipeline import SCHEDULES, PipelineSchedule  # noqa: E402
-from lightning_hybrid.timeline import timeline_bubble  # noqa: E402
+from lightning_hybrid.pipeline.schedules import SCHEDULES, PipelineSchedule  # noqa: E402
+from lightning_hybrid.observe.timeline import timeline_bubble  # noqa: E402
 
 FORWARD_S = float(os.environ.get("BUBBLE_FORWARD_MS", "20")) / 1e3  # backward takes twice as long
 WIDTH, MICROBATCH_SIZE, STEPS, WARMUP_STEPS = 16, 2, 8, 2

@@ -14,10 +14,14 @@ import json
 import os
 import sys
 from dataclasses import asdict, replace
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from lightning_hybrid.export import export_checkpoint
-from lightning_hybrid.planning import GIB, GPU_PRESETS, Cluster, Estimate, ModelShape, plan
+from lightning_hybrid.plan.hardware import GIB, GPU_PRESETS, Cluster
+
+# The planner and the checkpoint reader need torch; they load once a command runs, so --help answers at once.
+if TYPE_CHECKING:
+    from lightning_hybrid.plan.layout import Estimate
+    from lightning_hybrid.plan.model import ModelShape
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -37,6 +41,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.command == "plan":
         _plan(args, parser)
         return
+    from lightning_hybrid.checkpoint.export import export_checkpoint
+
     try:
         path = export_checkpoint(args.checkpoint, args.output, safetensors=args.safetensors)
     except (ValueError, ImportError) as error:
@@ -50,7 +56,7 @@ def _add_plan_command(commands: Any) -> None:
         "plan",
         help="rank dp × tp × pp layouts of a model on a cluster by predicted step time and memory",
         description="Predict per-GPU memory and step time of every HybridStrategy layout of a model on a cluster"
-        " (formulas: lightning_hybrid/planning.py) and rank the ones that fit. Describe the model by --params, by"
+        " (formulas: lightning_hybrid/plan/cost.py) and rank the ones that fit. Describe the model by --params, by"
         " its dimensions (--layers --hidden --heads --vocab --seq-len), or by --module; the cluster by --gpu"
         " and/or the four hardware numbers.",
     )
@@ -95,6 +101,8 @@ def _count(text: str) -> float:
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from lightning_hybrid.plan.search import plan
+
     try:
         if args.top < 1:
             raise ValueError(f"--top must be positive, got {args.top}")
@@ -118,6 +126,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def _model_from(args: argparse.Namespace) -> ModelShape:
+    from lightning_hybrid.plan.model import ModelShape
+
     dimensions_given = args.layers is not None or args.hidden is not None
     ways = [flag for flag, given in (("--params", args.params is not None), ("--module", args.module is not None),
                                      ("--layers/--hidden", dimensions_given)) if given]

@@ -15,9 +15,11 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_hybrid._compat import flatten_mesh
+from lightning_hybrid.options import AUTO, Degree, check_degrees
 
 PIPELINE = "pp"
 DATA_REPLICATE = "dp_replicate"
@@ -26,8 +28,6 @@ TENSOR = "tp"
 MESH_DIMS = (PIPELINE, DATA_REPLICATE, DATA_SHARD, TENSOR)
 #: The two data-parallel dimensions; FSDP2 shards over the last one and replicates over the first (HSDP).
 DATA_DIMS = (DATA_REPLICATE, DATA_SHARD)
-
-Degree = Union[int, Literal["auto"]]
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ParallelDims:
     """
 
     world_size: int
-    dp: Degree = "auto"
+    dp: Degree = AUTO
     tp: int = 1
     pp: int = 1
     dp_replicate: int = 1
@@ -52,7 +52,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         check_degrees(self.dp, self.tp, self.pp, self.dp_replicate)
         fixed = self.tp * self.pp * self.dp_replicate
-        if self.dp == "auto":
+        if self.dp == AUTO:
             if self.world_size % fixed:
                 raise ValueError(
                     f"tp={self.tp} × pp={self.pp} × dp_replicate={self.dp_replicate} = {fixed} does not divide the"
@@ -83,23 +83,11 @@ class ParallelDims:
         flattened data-parallel mesh ``dp`` (replicas × shards: one group for the sampler and metric reduction).
         """
         mesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=MESH_DIMS)
-        data_mesh = mesh[DATA_DIMS]._flatten("dp")
+        data_mesh = flatten_mesh(mesh[DATA_DIMS], "dp")
         # Gradient norms of tensor-parallel parameters are partial over data and tensor ranks at once; with these
         # dimensions flattened DTensor reduces them in one all-reduce instead of one per dimension (which may
         # also round differently on different ranks).
-        mesh[(DATA_SHARD, TENSOR)]._flatten("dp_shard_tp")
-        mesh[(DATA_REPLICATE, DATA_SHARD, TENSOR)]._flatten("dp_tp")
+        flatten_mesh(mesh[(DATA_SHARD, TENSOR)], "dp_shard_tp")
+        flatten_mesh(mesh[(DATA_REPLICATE, DATA_SHARD, TENSOR)], "dp_tp")
         return mesh, data_mesh
 
-
-def check_degrees(dp: Degree, tp: Degree, pp: Degree, dp_replicate: int, auto: tuple[str, ...] = ("dp",)) -> None:
-    """Reject degrees that are not positive integers; those named in ``auto`` may also be ``"auto"``."""
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("dp_replicate", dp_replicate)):
-        if not (name in auto and value == "auto"):
-            _check_positive_int(name, value, name in auto)
-
-
-def _check_positive_int(name: str, value: object, may_be_auto: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"HybridStrategy({name}={value!r}) is invalid: {name} must be a positive integer"
-                         + (" or 'auto'." if may_be_auto else "."))

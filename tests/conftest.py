@@ -77,7 +77,7 @@ def meta_init_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
     return cached_runs(run, tmp_path_factory, "meta")
 
 
-#: Layouts of :func:`uninterrupted` runs and of the runs resuming from their checkpoints (``tests/test_checkpoint.py``).
+#: Layouts of :func:`uninterrupted` runs and of the runs resuming from their checkpoints (``tests/checkpoint/test_checkpoint.py``).
 CHECKPOINTED_LAYOUTS: dict[str, list[str | int]] = {
     "dp2_tp2_pp2": ["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8],
     "tp2_pp2": ["--tp", 2, "--pp", 2, "--devices", 4],

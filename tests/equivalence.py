@@ -3,7 +3,7 @@
 This is a SCRIPT, not a test module: a distributed fit needs one process per rank, so it cannot run inside the
 pytest process. Run it directly and Lightning's subprocess launcher starts the extra ranks by re-executing
 ``sys.argv``; ``tests/helpers.py::run_script`` instead starts every rank at once with torchrun-style environment
-variables, and ``tests/test_equivalence.py`` / ``tests/test_pipeline.py`` compare the results.
+variables, and ``tests/test_equivalence.py`` / ``tests/pipeline/test_pipeline.py`` compare the results.
 
 Usage::
 
@@ -315,7 +315,7 @@ def kill_switch(spec: str) -> pl.Callback:
     if where == "step":
         return KillAtStep(int(count))
     # Die when the N-th checkpoint save starts on this rank, while the other ranks are writing theirs.
-    import lightning_hybrid.strategy as strategy_module
+    import lightning_hybrid.checkpoint.lightning_io as strategy_module
 
     original, calls = strategy_module.save_sharded, [0]
 
@@ -435,7 +435,7 @@ def make_strategy(args: argparse.Namespace, sweep_entry: dict[str, Any], tensorb
     kwargs.update(args.strategy_kwargs)
     kwargs.update(sweep_entry)
     if isinstance(kwargs.get("cluster"), dict):  # JSON has no Cluster: its fields
-        from lightning_hybrid.planning import Cluster
+        from lightning_hybrid.plan.hardware import Cluster
 
         kwargs["cluster"] = Cluster(**kwargs["cluster"])
     return HybridStrategy(**kwargs)

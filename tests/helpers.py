@@ -176,8 +176,8 @@ def assert_equivalent(ref: dict[str, Any], par: dict[str, Any], rtol: float = 1e
 
     Compared: every logged micro-batch ``train_loss``, every ``val_loss``, the ``test_loss``, the summed ``tokens``
     metric, the number of optimizer steps, the hooks fired around backward and the optimizer step with the learning
-    rate at each step, the prediction shapes, and every parameter of the full state dict (same names, shapes,
-    dtypes, and ``relative_difference <= rtol``).
+    rate at each step, the prediction shapes, every parameter of the full state dict (same names, shapes,
+    dtypes, and ``relative_difference <= rtol``), and that ranks holding the same parameter agree exactly.
     """
     report = compare_results(ref, par)
     worst = sorted(report["param_diffs"].items(), key=lambda item: item[1], reverse=True)[:3]
@@ -199,6 +199,10 @@ def assert_equivalent(ref: dict[str, Any], par: dict[str, Any], rtol: float = 1e
         problems.append(f"optimizer steps differ: {ref.get('global_step')} vs {par.get('global_step')}")
     if len(set(report["num_losses"])) > 1 or len(set(report["num_val_losses"])) > 1:
         problems.append(f"loss counts differ: train {report['num_losses']}, val {report['num_val_losses']}")
+    # Ranks that hold the same parameter (tensor-parallel copies of a norm, data-parallel replicas, gathered
+    # shards) apply identical reduced gradients, so they must agree bit for bit.
+    if par.get("replica_max_abs_diff", 0.0) != 0.0:
+        problems.append(f"ranks holding the same parameter differ by up to {par['replica_max_abs_diff']:.3e}")
     if not all(math.isfinite(x) for x in par["losses"]):
         problems.append(f"non-finite losses: {par['losses']}")
     if not report["loss_max_rel"] <= rtol:

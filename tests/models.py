@@ -423,7 +423,7 @@ class LMLightningModule(pl.LightningModule):
         init: ``"eager"`` builds the model in ``__init__`` after ``torch.manual_seed(seed)``; ``"meta"`` builds it
             on the meta device in ``configure_model`` (the strategy materializes and initializes it);
             ``"per_module"`` builds it eagerly in ``configure_model`` and initializes it with
-            :func:`lightning_hybrid.initialization.init_weights` — what ``"meta"`` must equal on one device.
+            :func:`lightning_hybrid.parallel.initialization.init_weights` — what ``"meta"`` must equal on one device.
     """
 
     def __init__(
@@ -463,7 +463,7 @@ class LMLightningModule(pl.LightningModule):
             with torch.device("meta"):
                 self.model = self._build()
         else:
-            from lightning_hybrid.initialization import init_weights
+            from lightning_hybrid.parallel.initialization import init_weights
 
             self.model = self._build()
             init_weights(self, self.hparams.seed)

@@ -167,3 +167,7 @@ def test_assert_equivalent_detects_small_differences(reference_run: ReferenceFn)
     missing = {**reference, "params": {k: v for k, v in reference["params"].items() if k != name}}
     with pytest.raises(AssertionError, match="state dict keys differ"):
         assert_equivalent(reference, missing, rtol=RTOL)
+
+    drifted = {**reference, "replica_max_abs_diff": 1e-7}  # two ranks' copies of one parameter disagree
+    with pytest.raises(AssertionError, match="ranks holding the same parameter differ by up to 1.000e-07"):
+        assert_equivalent(reference, drifted, rtol=RTOL)

@@ -23,7 +23,7 @@ DP2_TP2 = ["--dp", 2, "--tp", 2, "--devices", 4]
 def test_consolidated_checkpoint_resumes_exactly(tmp_path: Path) -> None:
     # save_distributed_checkpoint=False: one file written by rank 0, loaded into every rank's shards (fused qkv
     # heads included). Saved at the end of epoch 0 (step 4 of 6); the resumed run trains steps 5 and 6 in new
-    # processes and must reproduce the uninterrupted run bit for bit. (Sharded checkpoints: tests/test_checkpoint.py.)
+    # processes and must reproduce the uninterrupted run bit for bit. (Sharded checkpoints: tests/checkpoint/test_checkpoint.py.)
     layout = [*DP2_TP2, "--strategy-kwargs", json.dumps({"save_distributed_checkpoint": False})]
     uninterrupted = run_script(["--model", "gpt", *layout, "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "a.pt"])
     checkpoint = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"

@@ -9,8 +9,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 from lightning_hybrid import HybridStrategy, ParallelDims
-from lightning_hybrid.blocks import find_block_list
-from lightning_hybrid.precision import clip_grad_norm_
+from lightning_hybrid.parallel.blocks import find_block_list
+from lightning_hybrid.parallel.precision import clip_grad_norm_
 from tests.models import build_module
 
 
@@ -74,7 +74,8 @@ def test_unsupported_precision_names_the_supported_ones(precision: str, message:
 
 
 def test_pytorch_lightning_trainer_rejects_the_lightning_strategy_by_name() -> None:
-    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning  # the test extra installs it (lightning depends on it today, but need not)
+
     with pytest.raises(ValueError, match=r"HybridStrategy is built on `lightning.pytorch`.*Import Trainer and LightningModule from lightning.pytorch"):
         pytorch_lightning.Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), logger=False)
 

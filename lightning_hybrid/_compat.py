@@ -1,0 +1,165 @@
+"""Every private torch and Lightning name the package relies on, each with the reason no public API serves.
+
+No other module imports an underscore name of torch or Lightning or reads an underscore attribute of an object
+it does not own; when a public API appears, the change is made here. Heavy imports (torch's pipelining,
+Lightning) wait inside the functions that need them, so importing this module costs torch alone.
+
+The strategy also uses, as a subclass, protected members of Lightning's ``ModelParallelStrategy`` that Lightning's
+own strategies use the same way: ``_precision_plugin`` (the storage behind the ``precision_plugin`` property it
+overrides) and the two reached through :func:`setup_process_group` and :func:`call_through_module` below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+# Pytrees: torch 2.13 has no public module for nested-container flattening (``torch.utils.pytree`` does not exist
+# yet); DTensor, FSDP2 and the pipelining schedules use this one themselves.
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
+
+# The base class of dispatch-level modes (they see aten ops after autograd, DTensor ops at global shapes and the
+# collectives): ``torch.overrides`` only has the function-level TorchFunctionMode, too early for FLOP counting.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+
+# The only placement that deals the rows of a fused q|k|v projection so each rank holds whole heads of all three
+# pieces while ``full_tensor()`` keeps the original row order (public ``Shard(0)`` gives rank 0 all of q).
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
+
+# Where a rank's local shard sits in the global tensor: DCP needs the offsets, DTensor's public API gives only
+# the local tensor and the global shape.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
+
+
+def dtensor_around(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor with ``like``'s mesh, placements and global shape around ``local`` itself. ``DTensor.from_local``
+    would pass ``local`` through an autograd view, which need not keep the tensor subclass whose hooks DCP reads
+    (the strided checkpoint pieces)."""
+    return DTensor(local, like._spec, requires_grad=False)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dimensions as one named dimension of the root mesh. torch 2.13 has no public way to create a
+    named flattened dimension; torchtitan uses the same call for its data-parallel mesh."""
+    return mesh._flatten(name)
+
+
+def in_autograd_engine() -> bool:
+    """Whether the current operation runs inside autograd's engine (backward, or a checkpoint's recomputation).
+    No public query exists; the graph task id is -1 outside the engine."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def existing_ops(paths: Iterable[str]) -> set[Any]:
+    """The op overloads named ``namespace.op.overload`` that this torch build registers (attention kernels and
+    functional collectives exist only as private ``aten._*`` / ``_c10d_functional`` ops, and some only in some
+    builds). Missing ones are skipped, so importing the package never fails on an op a build lacks."""
+    found = set()
+    for path in paths:
+        namespace, op, overload = path.split(".")
+        try:
+            found.add(getattr(getattr(getattr(torch.ops, namespace), op), overload))
+        except (AttributeError, RuntimeError):
+            continue
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- pipelining
+def stage_to_rank(pp: int, num_stages: int, placement: str) -> dict[int, int]:
+    """torch's own stage → pipeline-rank assignment for a schedule's placement (``"loop"`` or ``"v"``): the one
+    its schedules use, kept in a private helper module."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    return generate_stage_to_rank_mapping(pp, num_stages, style=placement)
+
+
+def keep_forward_actions(schedule: Any) -> None:
+    """Re-lower a V-shaped schedule with its forward actions only.
+
+    torch 2.13's V schedules still run their backward actions under ``eval()`` (and fail); the forward actions of
+    the training order, lowered again with torch's own passes (FSDP unshard/reshard, send/receive), are a valid
+    forward-only schedule for the same stage placement. The public lowering entry point refuses an order without
+    backward actions, hence the two private passes.
+    """
+    from torch.distributed.pipelining.schedules import _add_send_recv, _add_unshard_reshard, _ComputationType
+
+    forwards: dict[int, list[Any]] = {}
+    for rank, actions in schedule.pipeline_order.items():
+        kept: list[Any] = []
+        for action in actions:
+            if action is None:
+                continue
+            parts = action.sub_actions if action.computation_type == _ComputationType.OVERLAP_F_B else (action,)
+            kept += [a for a in parts or () if a.computation_type == _ComputationType.FORWARD]
+        forwards[rank] = _add_unshard_reshard(kept)
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        forwards, stage_to_rank=lambda stage: schedule.stage_index_to_group_rank[stage], num_stages=schedule._num_stages
+    )
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def lightning_metadata_path(folder: Path) -> Path:
+    """The file of a distributed Lightning checkpoint folder that holds everything but the tensors (``meta.pt``):
+    Lightning's format, named by a private constant."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    return folder / _METADATA_FILENAME
+
+
+def read_dcp_in_one_process(folder: Path, keys: set[str]) -> dict[str, Any]:
+    """The entries ``keys`` of a DCP checkpoint, as full tensors, read by this process alone without a process
+    group. torch's public converter (``dcp_to_torch_save``) reads every entry, optimizer state included, into a
+    file; the planner that loads a subset into an empty dict is private."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(keys=keys),
+                     no_dist=True)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+def setup_process_group(strategy: Any) -> None:
+    """``ModelParallelStrategy._setup_distributed()``: the process group and the cluster environment's ranks,
+    without the 2-D mesh the public ``setup_environment()`` builds next (the hybrid strategy builds its own)."""
+    strategy._setup_distributed()
+
+
+def publish_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:
+    """Make ``mesh`` the strategy's ``device_mesh`` and the LightningModule's ``self.device_mesh``, as
+    ``ModelParallelStrategy`` does: both properties read attributes that have no public setter."""
+    strategy._device_mesh = mesh
+    module._device_mesh = mesh
+
+
+def call_through_module(strategy: Any, module: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Run ``module.<method>`` inside ``module.__call__`` (so FSDP2's root hooks fire) with Lightning's own
+    forward redirection, which strategies hold privately."""
+    return strategy._forward_redirection(module, module, method, *args, **kwargs)
+
+
+def first_loader(loop: Any) -> Any:
+    """The dataloader(s) a Lightning loop will iterate, before the loop has set them up (the strategy looks at the
+    first batch during setup). Only the loop's private data source knows where they come from (the module, a
+    DataModule, or the loaders passed to ``fit``)."""
+    return loop._data_source.dataloader()
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Lightning's own helper that sets the epoch of a loader's sampler and batch sampler, wherever they hold one."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(loader, epoch)
+
+
+def optimizers_to_device(optimizers: Iterable[Any], device: torch.device) -> None:
+    """Move optimizer state to ``device``: Lightning's helper, which every strategy calls after setup."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)

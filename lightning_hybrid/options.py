@@ -1,0 +1,254 @@
+"""The strategy's arguments, validated once into one frozen :class:`HybridOptions`.
+
+Everything that reads a parallelism choice reads it from here: the driver (:mod:`lightning_hybrid.parallel.parallelize`),
+the pipeline (its :class:`~lightning_hybrid.pipeline.schedules.PipelineSchedule`), the auto layout (which degrees are
+``"auto"``, what the candidate layouts keep fixed) and the strategy. Bad values fail at construction, before any
+process starts; only checks that need the world size or the model wait (``ParallelDims``, the stage split).
+
+Example::
+
+    options = HybridOptions(tp=2, pp=2, pp_schedule="interleaved_1f1b", activation_checkpointing="every")
+    options.pipeline_schedule          # PipelineSchedule(name='interleaved_1f1b', pp=2, virtual_stages=2, ...)
+    options.zero, options.checkpointing   # 3, CheckpointPlan(every=1, selective=False)
+    chosen = HybridOptions(tp="auto", pp="auto").with_degrees(dp=2, tp=1, pp=2, dp_replicate=1)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
+
+from lightning_hybrid.checks import check_positive
+from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
+from lightning_hybrid.pipeline.schedules import PLANNED_SCHEDULES, PipelineSchedule
+from lightning_hybrid.plan.hardware import Cluster
+
+AUTO = "auto"
+Degree = Union[int, Literal["auto"]]
+#: Lightning precision flags the strategy serves (see :mod:`lightning_hybrid.parallel.precision`).
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+#: ZeRO levels FSDP2 offers (see :mod:`lightning_hybrid.parallel.sharding`).
+ZERO_LEVELS = (2, 3)
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    """The parallelism arguments of ``HybridStrategy(...)``, checked. Derived on construction: ``zero`` (its default
+    depends on the schedule), :attr:`pipeline_schedule` (``None`` for pp = 1 and until an ``"auto"`` pp is chosen)
+    and :attr:`checkpointing`.
+
+    Arguments:
+        dp: Data-parallel sharding degree; ``"auto"`` takes what the world size leaves.
+        tp: Tensor-parallel degree. The linear layers of the model's repeated blocks are paired into
+            column-/row-parallel layers by how data flows between them; see :mod:`lightning_hybrid.parallel.tp_plan`.
+            ``"auto"``: chosen at setup (see below).
+        pp: Pipeline-parallel degree. The block list is cut into ``pp × virtual_stages`` stages balanced by
+            traced FLOPs; modules outside the blocks go with the stage that runs them. The model's own step runs
+            on every stage (see :mod:`lightning_hybrid.pipeline.dispatch`). ``"auto"``: chosen at setup.
+            With ``tp="auto"`` and/or ``pp="auto"`` the strategy measures the module (parameter counts, and heads
+            and sequence length from the first block's attention on the first batch) and the hardware, estimates
+            every layout the other arguments leave open with the planner's cost model, and
+            takes the one with the most tokens per second that fits in memory; it logs the choice with its
+            predicted memory and keeps the estimate in ``HybridStrategy.layout_estimate``. See
+            :mod:`lightning_hybrid.plan.auto_layout`.
+        dp_replicate: Replicas of the sharded model (HSDP): parameters are sharded within a replica and gradients
+            all-reduced across replicas.
+        zero: 3 (default) shards parameters between forward and backward too; 2 keeps them gathered for the step
+            (see :mod:`lightning_hybrid.parallel.sharding`). Zero-bubble pipeline schedules need 2 and default to it.
+        tp_plan: ``{module name pattern: "colwise" | "rowwise" | "replicate" | ParallelStyle}``, names from the
+            LightningModule (``fnmatch`` patterns, e.g. ``"model.blocks.*.attn.qkv"``). Overrides or completes
+            the automatic plan; entries outside the blocks are applied as given.
+        blocks: Name of the container of repeated blocks (found automatically when ``None``).
+        pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+            ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"`` (torch's schedules).
+        microbatches: Microbatches per step (each rank's batch is split into this many); default
+            ``pp × virtual_stages``. The batch size must be divisible by it.
+        virtual_stages: Stages per pipeline rank: 1 for ``gpipe``/``1f1b``, default 2 for the others.
+        pp_split: Blocks per stage (``pp × virtual_stages`` numbers), overriding the balanced split.
+        activation_checkpointing: ``None`` (default), ``"every"`` block, an integer N (every N-th block) or
+            ``"selective"`` (every block, keeping matmul and attention outputs); see
+            :mod:`lightning_hybrid.parallel.activation_checkpointing`.
+        offload: Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
+            ``CPUOffloadPolicy``); parameters are copied to the device for each block's forward and backward and
+            the optimizer steps on CPU.
+        verify_tp_plan: Run one block unsharded and sharded at setup and refuse a plan whose outputs differ.
+        save_distributed_checkpoint: One DCP shard per rank (``True``) or one consolidated file on rank 0.
+        cluster: The hardware an ``"auto"`` layout is planned for (a :class:`~lightning_hybrid.Cluster`
+            whose nodes × GPUs per node match the Trainer's); by default GPUs are recognised by name and CPUs probed.
+    """
+
+    dp: Degree = AUTO
+    tp: Degree = 1
+    pp: Degree = 1
+    dp_replicate: int = 1
+    zero: Optional[int] = None
+    tp_plan: Mapping[str, Any] = field(default_factory=dict)
+    blocks: Optional[str] = None
+    pp_schedule: str = "1f1b"
+    microbatches: Optional[int] = None
+    virtual_stages: Optional[int] = None
+    pp_split: Optional[Sequence[int]] = None
+    activation_checkpointing: ActivationCheckpointing = None
+    offload: bool = False
+    verify_tp_plan: bool = True
+    save_distributed_checkpoint: bool = True
+    cluster: Optional[Cluster] = None
+    #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
+    pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
+    #: Which blocks are activation-checkpointed (``None``: none).
+    checkpointing: Optional[CheckpointPlan] = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        check_degrees(self.dp, self.tp, self.pp, self.dp_replicate, auto=("dp", "tp", "pp"))
+        self._set("tp_plan", dict(self.tp_plan or {}))
+        self._set("pipeline_schedule", self._checked_pipeline())
+        self._set("zero", check_zero_level(_zero_level(self.zero, self.pipeline_schedule)))
+        self._set("checkpointing", CheckpointPlan.resolve(self.activation_checkpointing))
+        _check_checkpointing_with_schedule(self.checkpointing, self.pipeline_schedule)
+        self._check_auto_layout()
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"HybridStrategy(offload={self.offload!r}) is invalid: pass True (CPU offload) or False.")
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # frozen: derived fields are filled in once, here
+
+    @property
+    def degrees(self) -> dict[str, Degree]:
+        """``{"dp": ..., "tp": ..., "pp": ..., "dp_replicate": ...}`` (``"auto"`` where still to be chosen)."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "dp_replicate": self.dp_replicate}
+
+    @property
+    def chooses_layout(self) -> bool:
+        """Whether tp or pp is ``"auto"``: the layout is chosen at setup (:mod:`lightning_hybrid.plan.auto_layout`)."""
+        return AUTO in (self.tp, self.pp)
+
+    @property
+    def planned_checkpointing(self) -> Optional[str]:
+        """The checkpointing the planner models for these options: full (``"every"``) or, for every-N-th and
+        selective, none (the upper bound of their memory)."""
+        return "every" if self.checkpointing == CheckpointPlan(every=1) else None
+
+    def with_degrees(self, dp: int, tp: int, pp: int, dp_replicate: int) -> "HybridOptions":
+        """These options with a chosen layout's degrees (the schedule resolved for its pp); ``cluster``, which
+        served the choice, is dropped."""
+        return replace(self, dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, cluster=None)
+
+    def _checked_pipeline(self) -> Optional[PipelineSchedule]:
+        if self.pp == AUTO:
+            _check_pipeline_may_be_chosen(self.pp_split, self.save_distributed_checkpoint)
+            return None
+        if self.pp == 1:
+            if self.microbatches is not None or self.virtual_stages is not None or self.pp_split is not None:
+                raise ValueError("HybridStrategy(microbatches=, virtual_stages=, pp_split=) are pipeline options:"
+                                 " set pp > 1.")
+            return None
+        schedule = PipelineSchedule.resolve(self.pp_schedule, int(self.pp), self.virtual_stages, self.microbatches)
+        if not self.save_distributed_checkpoint:
+            raise ValueError(_CONSOLIDATED_WITH_PIPELINE)
+        return schedule
+
+    def _check_auto_layout(self) -> None:
+        if self.cluster is not None and not isinstance(self.cluster, Cluster):
+            raise ValueError(f"HybridStrategy(cluster={self.cluster!r}) must be a lightning_hybrid.Cluster.")
+        if not self.chooses_layout:
+            if self.cluster is not None:
+                raise ValueError("HybridStrategy(cluster=) describes the hardware for tp='auto'/pp='auto'; pass one"
+                                 " of them.")
+            return
+        if self.pp == AUTO and self.pp_schedule not in PLANNED_SCHEDULES:
+            raise ValueError(
+                f"HybridStrategy(pp='auto', pp_schedule={self.pp_schedule!r}): the planner models the schedules"
+                f" {', '.join(PLANNED_SCHEDULES)}. Choose one of them, or pass pp=N for {self.pp_schedule!r}."
+            )
+
+    def check_fixed_degrees_divide(self, world_size: int, nodes: int, devices: int) -> None:
+        """With an ``"auto"`` layout: the fixed degrees must divide the world size, and ``cluster=`` must describe
+        the Trainer's nodes × devices."""
+        fixed = {name: value for name, value in self.degrees.items() if value != AUTO}
+        product = math.prod(fixed.values())
+        if world_size % product:
+            given = " × ".join(f"{name}={value}" for name, value in fixed.items() if value > 1)
+            raise ValueError(f"{given} = {product} does not divide the world size {world_size} (devices × num_nodes):"
+                             " no layout can be chosen. Change the fixed degrees or the number of devices.")
+        cluster = self.cluster
+        if cluster is not None and (cluster.nodes, cluster.gpus_per_node) != (nodes, devices):
+            raise ValueError(f"HybridStrategy(cluster=...) describes {cluster.nodes} node(s) × {cluster.gpus_per_node}"
+                             f" devices, but the Trainer runs num_nodes={nodes} × devices={devices}. Make them match.")
+
+
+def check_degrees(dp: Degree, tp: Degree, pp: Degree, dp_replicate: int, auto: tuple[str, ...] = ("dp",)) -> None:
+    """Reject degrees that are not positive integers; those named in ``auto`` may also be ``"auto"``."""
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("dp_replicate", dp_replicate)):
+        if not (name in auto and value == AUTO):
+            check_positive("HybridStrategy", name, value, also=" or 'auto'" if name in auto else "")
+
+
+def check_zero_level(zero: object) -> int:
+    """Validate a ZeRO level and return it."""
+    if zero == 1:
+        raise ValueError(
+            "HybridStrategy(zero=1) is not offered: FSDP2 always shards gradients, so zero=2 (sharded gradients and"
+            " optimizer state, parameters gathered once per step) uses less memory than ZeRO-1 at the same"
+            " communication volume. Use zero=2, or zero=3 to also shard parameters between forward and backward."
+        )
+    if zero not in ZERO_LEVELS:
+        raise ValueError(f"HybridStrategy(zero={zero!r}) is invalid: choose 2 or 3.")
+    return int(zero)  # type: ignore[arg-type]
+
+
+def check_precision(precision: str) -> None:
+    """Refuse a Lightning precision flag the strategy does not serve."""
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(f"precision={precision!r} is invalid: choose one of {', '.join(SUPPORTED_PRECISION)}.")
+
+
+_CONSOLIDATED_WITH_PIPELINE = (
+    # Lightning's consolidated save gathers on global rank 0, which holds only the first stage.
+    "HybridStrategy(pp > 1, save_distributed_checkpoint=False) would write only the first pipeline stage's parameters"
+    " into the consolidated file. Keep save_distributed_checkpoint=True (one DCP shard per rank, loadable under any"
+    " layout)."
+)
+
+
+def _check_pipeline_may_be_chosen(pp_split: Optional[Sequence[int]], save_distributed_checkpoint: bool) -> None:
+    if pp_split is not None:
+        raise ValueError("HybridStrategy(pp='auto', pp_split=...): a split fixes the number of stages; pass pp=N with"
+                         " it, or leave pp_split out and let the strategy balance the stages.")
+    if not save_distributed_checkpoint:
+        raise ValueError(_CONSOLIDATED_WITH_PIPELINE.replace("pp > 1", "pp='auto'", 1)
+                         + " (pp='auto' may choose a pipeline.)")
+
+
+def _zero_level(zero: Optional[int], schedule: Optional[PipelineSchedule]) -> object:
+    if schedule is None or not schedule.splits_weight_gradients:
+        return 3 if zero is None else zero
+    if zero == 3:
+        # torch computes a zero-bubble weight gradient against the parameters the module holds at that time; under
+        # ZeRO-3 those are the resharded ones, not the gathered ones the forward used, and gradients come out wrong.
+        raise ValueError(
+            f"pp_schedule={schedule.name!r} computes weight gradients in a separate pass after backward, which"
+            " needs parameters to stay gathered from forward to backward: use zero=2 (its default)."
+        )
+    return 2 if zero is None else zero
+
+
+def _check_checkpointing_with_schedule(plan: Optional[CheckpointPlan], schedule: Optional[PipelineSchedule]) -> None:
+    # Zero-bubble schedules run backward through a stage twice: input gradients first, then one weight-gradient
+    # pass per group of parameters, each of which unpacks the checkpointed activations again.
+    if plan is None or schedule is None or not schedule.splits_weight_gradients:
+        return
+    if plan.selective:
+        raise ValueError(
+            f"activation_checkpointing='selective' cannot run under pp_schedule={schedule.name!r}: torch's selective"
+            " checkpointing allows one backward pass per checkpointed region, and zero-bubble schedules run two"
+            " (input gradients, then weight gradients). Use activation_checkpointing='every' or an integer N, or a"
+            " schedule without split weight gradients ('1f1b', 'interleaved_1f1b')."
+        )
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn  # Lightning loads slowly; only this path needs it
+
+    rank_zero_warn(
+        f"activation checkpointing under pp_schedule={schedule.name!r} recomputes a checkpointed block once per"
+        " weight-gradient pass (measured 4-7 recomputations per micro-batch on a GPT block instead of 1): numbers are"
+        " unchanged but the recompute cost multiplies. 'interleaved_1f1b' recomputes each block once."
+    )

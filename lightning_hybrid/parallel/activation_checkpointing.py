@@ -1,0 +1,139 @@
+"""Activation checkpointing per block: store a block's inputs in forward, recompute its insides in backward.
+
+Modes (``HybridStrategy(activation_checkpointing=...)``):
+
+================  ===========================================================================================
+``None``          store every activation autograd saves (fastest, most memory)
+``"every"``       checkpoint every block: only block inputs are stored, each block's forward runs again in backward
+``N`` (int ≥ 1)   checkpoint the N-th, 2N-th, … block of the whole model (blocks ``N-1, 2N-1, …``, 0-based,
+                  counted over all pipeline stages), trading memory for recompute in between
+``"selective"``   every block, but per operation: outputs of matrix multiplications, attention kernels and
+                  tensor-parallel collectives are kept, everything else (norms, activations, elementwise) is
+                  recomputed, so backward repeats the cheap operations and no communication
+================  ===========================================================================================
+
+It is applied after tensor parallelism (the recomputed forward must run the sharded layers and their
+collectives) and before FSDP2, so FSDP's all-gather hooks wrap the checkpointed forward and its parameters are
+gathered again for the recompute by FSDP's own pre-backward hook, not inside the checkpoint.
+
+Recomputing replays the same operations on the same inputs with the same random state (``torch.utils.checkpoint``
+restores it), so losses and gradients are bit-identical to a run without checkpointing.
+
+Example::
+
+    plan = CheckpointPlan.resolve("selective")
+    apply_activation_checkpointing(enumerate(model.blocks), plan)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Union
+
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
+
+from lightning_hybrid._compat import existing_ops
+
+ActivationCheckpointing = Union[None, str, int]
+
+#: Operations whose outputs selective checkpointing keeps: the expensive ones to recompute (matmuls, attention)
+#: and collectives, whose recompute would add communication to backward. Attention kernels and functional
+#: collectives are private ops, and not every build has every attention kernel: missing ones are left out.
+_KEPT_BY_SELECTIVE = existing_ops([
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.baddbmm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "_c10d_functional.all_reduce.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_gather_into_tensor.default",
+])
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Which blocks are checkpointed and how (see the module docstring)."""
+
+    every: int
+    selective: bool = False
+
+    @classmethod
+    def resolve(cls, mode: ActivationCheckpointing) -> Optional["CheckpointPlan"]:
+        """The plan for a ``HybridStrategy(activation_checkpointing=...)`` value; ``None`` for no checkpointing."""
+        if mode is None or mode == "none":
+            return None
+        if mode == "every":
+            return cls(every=1)
+        if mode == "selective":
+            return cls(every=1, selective=True)
+        if isinstance(mode, int) and not isinstance(mode, bool):
+            if mode <= 0:
+                raise ValueError(
+                    f"HybridStrategy(activation_checkpointing={mode}) is invalid: an integer N checkpoints every"
+                    " N-th block and must be ≥ 1 (1 is the same as 'every'); use None for no checkpointing."
+                )
+            return cls(every=mode)
+        raise ValueError(
+            f"HybridStrategy(activation_checkpointing={mode!r}) is not a mode: use None (store all activations),"
+            " 'every' (checkpoint every block), an integer N ≥ 1 (every N-th block) or 'selective' (every block,"
+            " keeping matmul and attention outputs)."
+        )
+
+    def covers(self, block_index: int) -> bool:
+        """Whether block ``block_index`` (0-based, over the whole model) is checkpointed."""
+        return (block_index + 1) % self.every == 0
+
+
+def apply_activation_checkpointing(indexed_blocks: Iterable[tuple[int, nn.Module]], plan: CheckpointPlan) -> int:
+    """Checkpoint the blocks ``plan`` covers, in place; ``indexed_blocks`` pairs each block with its index in the
+    whole model (a pipeline stage passes only its own). Returns how many blocks were checkpointed.
+
+    The block keeps its identity, parameter names and hooks: only its class is swapped for a subclass whose
+    ``forward`` runs under :func:`torch.utils.checkpoint.checkpoint`, so state dicts and FQNs are unchanged.
+    """
+    count = 0
+    for index, block in indexed_blocks:
+        if plan.covers(index):
+            block.__class__ = _checkpointed_class(type(block), plan.selective)
+            count += 1
+    return count
+
+
+_CHECKPOINTED_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def _checkpointed_class(cls: type, selective: bool) -> type:
+    key = (cls, selective)
+    if key not in _CHECKPOINTED_CLASSES:
+        context_fn = _selective_contexts if selective else noop_context_fn
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            # Non-reentrant: supports keyword arguments, tuple outputs and torch.autograd.grad with inputs=, which
+            # zero-bubble pipeline schedules use to split input and weight gradients.
+            return checkpoint(
+                functools.partial(cls.forward, self), *args, use_reentrant=False, context_fn=context_fn, **kwargs
+            )
+
+        prefix = "SelectiveCheckpointed" if selective else "Checkpointed"
+        _CHECKPOINTED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
+    return _CHECKPOINTED_CLASSES[key]
+
+
+def _keep_expensive_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> Any:
+    return create_selective_checkpoint_contexts(_keep_expensive_outputs)
+

@@ -1,0 +1,101 @@
+"""Find a model's repeated blocks and capture what one of them receives.
+
+Every parallelism here works block by block: tensor parallelism plans one block and repeats the plan, FSDP2
+shards each block as one unit, pipelining splits the block list into stages. Transformers keep their
+blocks in one container of same-class modules (``h``, ``layers``, ``blocks``, ``encoder.layer`` ...), so we look
+for that structure instead of a name.
+
+Example::
+
+    path, blocks = find_block_list(lightning_module)            # ("model.layers", ModuleList(...))
+    args, kwargs = capture_block_call(blocks[0], lambda: lightning_module.training_step(batch, 0))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_hybrid._compat import tree_map
+
+
+def find_block_list(root: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList | nn.Sequential]:
+    """Return ``(name, container)`` of the model's repeated blocks.
+
+    The container is the ``ModuleList``/``Sequential`` with the most children that all share one class (ties go
+    to the one holding more parameters). ``path`` names the container explicitly and skips the search.
+    """
+    if path is not None:
+        try:
+            container = root.get_submodule(path)
+        except AttributeError as error:
+            raise ValueError(f"HybridStrategy(blocks={path!r}): {type(root).__name__} has no submodule {path!r}.") from error
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+            raise ValueError(
+                f"HybridStrategy(blocks={path!r}) must name a non-empty nn.ModuleList or nn.Sequential,"
+                f" got {type(container).__name__}."
+            )
+        return path, container
+    candidates = [
+        (name, module)
+        for name, module in root.named_modules()
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2 and _same_class(module)
+    ]
+    if not candidates:
+        containers = [f"{name} ({type(m).__name__} of {len(m)})" for name, m in root.named_modules()
+                      if isinstance(m, (nn.ModuleList, nn.Sequential))]
+        raise ValueError(
+            f"Could not find the repeated blocks of {type(root).__name__}: no nn.ModuleList/nn.Sequential holds two"
+            f" or more modules of one class (containers found: {', '.join(containers) or 'none'})."
+            " Pass HybridStrategy(blocks='path.to.block_list') to name the container."
+        )
+    return max(candidates, key=lambda item: (len(item[1]), _parameter_count(item[1])))
+
+
+def _same_class(container: nn.Module) -> bool:
+    classes = {type(child) for child in container.children()}
+    return len(classes) == 1 and any(True for _ in container[0].parameters())
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+class _BlockReached(BaseException):
+    """Raised from the first block's pre-hook to stop the forward once its inputs are known.
+
+    Derives from ``BaseException`` so that user code catching ``Exception`` around the forward does not swallow it.
+    """
+
+
+def capture_block_call(block: nn.Module, run_forward: Callable[[], Any]) -> tuple[tuple, dict]:
+    """Run ``run_forward`` until ``block`` is called and return the ``(args, kwargs)`` it is called with."""
+    captured: dict[str, Any] = {}
+
+    def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured["call"] = tree_map(detached, (args, kwargs))
+        raise _BlockReached
+
+    handle = block.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            run_forward()
+    except _BlockReached:
+        pass
+    finally:
+        handle.remove()
+    if "call" not in captured:
+        raise RuntimeError(
+            f"The model's step never called its block {type(block).__name__}, so its inputs are unknown. Tensor"
+            " parallel planning needs one call of the first block; pass HybridStrategy(blocks=...) to name the"
+            " block list the forward actually uses."
+        )
+    return captured["call"]
+
+
+def detached(value: Any) -> Any:
+    """``value`` detached from autograd if it is a tensor, else unchanged (for ``tree_map`` over step inputs and
+    outputs)."""
+    return value.detach() if isinstance(value, torch.Tensor) else value

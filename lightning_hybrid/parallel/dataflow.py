@@ -1,0 +1,235 @@
+"""Trace how data flows between the linear layers of one block.
+
+Tensor-parallel planning needs to know, for every ``nn.Linear`` in a block, *which* tensors its input is computed
+from, and how the features of its output are cut up afterwards (split into q/k/v, reshaped into heads). Module
+names cannot tell us that reliably; running the block once can. :func:`trace_block` runs the block's forward under
+a :class:`~torch.overrides.TorchFunctionMode` that labels every tensor with its *nearest sources*: the linear layers
+(or block arguments) it was computed from without passing through another linear layer. It also notes which
+attributes of the block's own modules (and their config objects) the forward reads.
+
+Example::
+
+    trace = trace_block(block, args, kwargs)
+    trace.linears["attn.proj"].sources     # {"attn.qkv"}: proj consumes qkv's output (through attention)
+    trace.output_sources                   # {"arg0", "attn.proj", "mlp.down"}: what reaches the residual stream
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_hybrid._compat import tree_flatten
+
+# Functions that cut a tensor's last dimension into pieces or reshape it; their outputs tell us whether a linear
+# layer's features are fused (q|k|v) and how they group into heads.
+_SPLIT_FUNCTIONS = {torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.tensor_split,
+                    torch.Tensor.tensor_split, torch.Tensor.split_with_sizes}
+_RESHAPE_FUNCTIONS = {torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.unflatten,
+                      torch.Tensor.unflatten}
+
+
+@dataclass
+class LinearUse:
+    """One ``nn.Linear`` call inside the traced block."""
+
+    name: str
+    module: nn.Linear
+    #: Nearest sources of the layer's input: names of other linear layers and ``"argN"`` for block arguments.
+    sources: frozenset[str]
+
+
+@dataclass
+class FeatureCut:
+    """The last dimension of a linear layer's output being split or reshaped."""
+
+    linear: str
+    #: Sizes of the pieces a split produced (empty for a reshape).
+    pieces: tuple[int, ...] = ()
+    #: Factors a reshape cut the (piece's) last dimension into, outermost first; the last one is the head size.
+    factors: tuple[int, ...] = ()
+
+
+@dataclass
+class BlockTrace:
+    """What one forward pass of a block revealed about its linear layers."""
+
+    linears: dict[str, LinearUse] = field(default_factory=dict)
+    output_sources: frozenset[str] = frozenset()
+    cuts: list[FeatureCut] = field(default_factory=list)
+    #: ``(holder path, attribute)`` read during the forward, for holders from :func:`attribute_holders`.
+    attribute_reads: set[tuple[str, str]] = field(default_factory=set)
+    #: Holders whose reads could not be observed (their class cannot be swapped); treat every attribute as read.
+    unobserved: set[str] = field(default_factory=set)
+
+    def consumers(self, name: str) -> list[str]:
+        """Linear layers whose input is computed from ``name``'s output (``"output"`` if the block output is)."""
+        users = [use.name for use in self.linears.values() if name in use.sources]
+        return users + (["output"] if name in self.output_sources else [])
+
+
+class _SourceTracker(TorchFunctionMode):
+    """Labels each tensor produced inside the mode with the union of its inputs' labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._labels: dict[int, frozenset[str]] = {}
+        self._alive: list[torch.Tensor] = []  # keeps labelled tensors alive so that their ids stay unique
+        self.on_call: Callable[[Any, tuple, dict, Any, frozenset[str]], None] | None = None
+
+    def label(self, tensor: torch.Tensor, sources: frozenset[str]) -> None:
+        self._labels[id(tensor)] = sources
+        self._alive.append(tensor)
+
+    def sources_of(self, tree: Any) -> frozenset[str]:
+        leaves, _ = tree_flatten(tree)
+        found: set[str] = set()
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                found |= self._labels.get(id(leaf), frozenset())
+        return frozenset(found)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        sources = self.sources_of((args, kwargs))
+        if sources:
+            if self.on_call is not None:
+                self.on_call(func, args, kwargs, out, sources)
+            for leaf in tree_flatten(out)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    self.label(leaf, sources | self._labels.get(id(leaf), frozenset()))
+        return out
+
+
+def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
+    """Run ``block(*args, **kwargs)`` once (without gradients) and record the data flow between its linears."""
+    args, kwargs = copy.deepcopy((args, kwargs))  # the block may update state it is handed (e.g. a key/value cache)
+    trace = BlockTrace()
+    tracker = _SourceTracker()
+    names = {module: name for name, module in block.named_modules()}
+    for index, leaf in enumerate(tree_flatten((args, kwargs))[0]):
+        if isinstance(leaf, torch.Tensor):
+            tracker.label(leaf, frozenset({f"arg{index}"}))
+
+    def before_linear(module: nn.Module, inputs: tuple) -> None:
+        name = names[module]
+        trace.linears[name] = LinearUse(name, module, tracker.sources_of(inputs))
+
+    def after_linear(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        tracker.label(output, frozenset({names[module]}))
+
+    def record_cut(func: Any, args: tuple, kwargs: dict, out: Any, sources: frozenset[str]) -> None:
+        if len(sources) == 1 and isinstance(args[0], torch.Tensor):
+            cut = _feature_cut(func, args[0], out, next(iter(sources)), trace)
+            if cut is not None:
+                trace.cuts.append(cut)
+
+    tracker.on_call = record_cut
+    hooks = []
+    for module in block.modules():
+        if isinstance(module, nn.Linear):
+            hooks.append(module.register_forward_pre_hook(before_linear))
+            hooks.append(module.register_forward_hook(after_linear))
+    holders = list(attribute_holders(block))
+    reads: set[tuple[int, str]] = set()
+    try:
+        with torch.no_grad(), tracker, _recording_reads([obj for _, obj in holders], reads) as unobserved:
+            output = block(*args, **kwargs)
+        trace.output_sources = tracker.sources_of(output)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for path, obj in holders:
+        trace.attribute_reads |= {(path, attr) for holder, attr in reads if holder == id(obj)}
+        if id(obj) in unobserved:
+            trace.unobserved.add(path)
+    return trace
+
+
+def attribute_holders(block: nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(path, object)`` of the block's user-defined modules and of the plain config objects they hold: where the
+    integer attributes a forward reshapes with (head counts, widths) live. torch's own modules are skipped: their
+    attributes (``in_features`` ...) describe parameters, which sharding already changes."""
+    for name, module in block.named_modules():
+        if type(module).__module__.startswith("torch."):
+            continue
+        yield name, module
+        for attr, value in vars(module).items():
+            if hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor, type)) and not callable(value):
+                yield (f"{name}.{attr}" if name else attr), value
+
+
+@contextmanager
+def _recording_reads(objects: list[Any], reads: set[tuple[int, str]]) -> Iterator[set[int]]:
+    """Record ``(id(object), attribute)`` for every attribute read on ``objects`` by swapping in a subclass whose
+    ``__getattribute__`` notes the name; yields the ids of objects whose class could not be swapped."""
+    swapped, unobserved = [], set()
+    for obj in {id(o): o for o in objects}.values():
+        original = type(obj)
+
+        def note(self: Any, name: str, _original: type = original) -> Any:
+            reads.add((id(self), name))
+            return _original.__getattribute__(self, name)
+
+        try:
+            obj.__class__ = type(original.__name__, (original,), {"__getattribute__": note})
+        except TypeError:  # built-in types such as SimpleNamespace
+            unobserved.add(id(obj))
+            continue
+        swapped.append((obj, original))
+    try:
+        yield unobserved
+    finally:
+        for obj, original in swapped:
+            obj.__class__ = original
+
+
+def _feature_cut(func: Any, tensor: torch.Tensor, out: Any, source: str, trace: BlockTrace) -> FeatureCut | None:
+    """Describe how ``func`` cut the features of ``source``'s output, or ``None`` if it did not touch them."""
+    use = trace.linears.get(source)
+    if use is None or tensor.dim() == 0:
+        return None
+    width = tensor.shape[-1]
+    if width not in _feature_widths(use.module.out_features, trace, source):
+        return None
+    if func in _SPLIT_FUNCTIONS and isinstance(out, (tuple, list)) and len(out) > 1:
+        if all(piece.dim() == tensor.dim() for piece in out) and _cuts_last_dim(tensor, out):
+            return FeatureCut(source, pieces=tuple(piece.shape[-1] for piece in out))
+        return None
+    if func in _RESHAPE_FUNCTIONS and isinstance(out, torch.Tensor):
+        factors = _split_factors(tensor.shape, out.shape)
+        if factors is not None and len(factors) > 1:
+            return FeatureCut(source, factors=factors)
+    return None
+
+
+def _feature_widths(out_features: int, trace: BlockTrace, source: str) -> set[int]:
+    """Widths a tensor of ``source``'s features can have: the whole output, or one piece of a recorded split."""
+    widths = {out_features}
+    for cut in trace.cuts:
+        if cut.linear == source:
+            widths.update(cut.pieces)
+    return widths
+
+
+def _cuts_last_dim(tensor: torch.Tensor, pieces: Any) -> bool:
+    return all(piece.shape[:-1] == tensor.shape[:-1] for piece in pieces) and sum(
+        piece.shape[-1] for piece in pieces
+    ) == tensor.shape[-1]
+
+
+def _split_factors(before: torch.Size, after: torch.Size) -> tuple[int, ...] | None:
+    """Factors the last dim of ``before`` was reshaped into, when the leading dims are untouched."""
+    lead = len(before) - 1
+    if tuple(after[:lead]) != tuple(before[:lead]):
+        return None
+    factors = tuple(after[lead:])
+    return factors if math.prod(factors) == before[-1] else None

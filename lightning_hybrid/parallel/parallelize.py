@@ -1,0 +1,175 @@
+"""The one driver: apply every parallelism to a LightningModule, in one fixed order.
+
+:func:`parallelize` runs the steps below in this order; each is a small ``apply_*`` function that takes primitives
+(a mesh, a plan, flags) and can run without a Trainer. Why the order:
+
+1. **pipeline split** first: it traces the unmodified model to see which modules run before and after the blocks,
+   and keeps meta-device copies of every unit (the stand-ins other stages need) before any later step changes
+   them; from here on this rank works on its own stages' blocks only;
+2. **tensor parallelism**: replaces the blocks' parameters with DTensors on the tensor mesh;
+3. **activation checkpointing**: after tensor parallelism, so the recomputed forward runs the sharded layers and
+   their collectives; inside the FSDP2 units applied next, so their hooks gather parameters for the recompute;
+4. (``torch.compile`` per block belongs here: after checkpointing, before FSDP2, as in torchtitan);
+5. **FSDP2** last: it shards whatever parameters it finds, DTensors included, over the data mesh; with a pipeline
+   each stage module is the root of its own units;
+6. **materialization**: a meta-device model gets its values now that each rank holds only its shards.
+
+Example::
+
+    result = parallelize(module, "model.blocks", blocks, mesh, dims, options, precision="32-true",
+                         device=torch.device("cpu"), run_step=lambda: module.training_step(batch, 0))
+    result.tp_plan        # {"model.blocks.*.attn.qkv": "colwise (strided x3)", ...}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims
+from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
+from lightning_hybrid.parallel.blocks import capture_block_call
+from lightning_hybrid.parallel.initialization import materialize_meta_module
+from lightning_hybrid.parallel.sharding import FSDPOptions, apply_fsdp, mixed_precision_policy
+from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_hybrid.pipeline.runtime import Pipeline, build_pipeline
+from lightning_hybrid.pipeline.schedules import PipelineSchedule
+
+BlockCall = tuple[tuple, dict]
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` did: this rank's pipeline (``None`` when pp = 1), the tensor-parallel plan applied
+    (``{module pattern: style}``) and whether FSDP2 sharded the model."""
+
+    pipeline: Optional[Pipeline] = None
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    sharded: bool = False
+
+
+def parallelize(module: nn.Module, blocks_path: str, blocks: nn.Module, mesh: DeviceMesh, dims: ParallelDims,
+                options: HybridOptions, *, precision: str, device: torch.device, run_step: Callable[[], Any],
+                block_call: Optional[BlockCall] = None) -> Parallelized:
+    """Apply ``options``' parallelisms to ``module`` in place (see the module docstring for the order); every
+    rank calls it. ``run_step`` runs the user's step once on the first batch (tracing); ``block_call`` is the first
+    block's captured call if the caller already has it."""
+    result = Parallelized()
+    owned = list(range(len(blocks)))
+    compute_dtype = mixed_precision_policy(precision).param_dtype
+    # 1. pipeline split
+    if dims.pp > 1:
+        assert options.pipeline_schedule is not None
+        result.pipeline = apply_pipeline_split(module, blocks_path, blocks, options.pipeline_schedule, mesh[PIPELINE],
+                                               device, run_step, options.pp_split, compute_dtype)
+        owned = result.pipeline.owned_blocks
+    # 2. tensor parallelism
+    if dims.tp > 1 or options.tp_plan:
+        block_call = block_call or capture_block_call(blocks[0], run_step)
+        result.tp_plan = apply_tensor_parallel(module, blocks_path, blocks, block_call, mesh[TENSOR],
+                                               tp_plan=options.tp_plan, verify=options.verify_tp_plan,
+                                               apply_to=[blocks[i] for i in owned])
+        rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={dims.tp}): {result.tp_plan}")
+    # 3. activation checkpointing
+    if options.checkpointing is not None:
+        apply_checkpointing(blocks, owned, options.checkpointing)
+    # 4. (torch.compile per block: next to come, here)
+    # 5. FSDP2
+    result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, dims, options, precision, result.pipeline)
+    # 6. materialization
+    apply_materialization(module, torch.device("cpu") if options.offload else device)
+    return result
+
+
+def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: nn.Module, schedule: PipelineSchedule,
+                         pp_mesh: DeviceMesh, device: torch.device, run_step: Callable[[], Any],
+                         pp_split: Optional[Sequence[int]], compute_dtype: Optional[torch.dtype]) -> Pipeline:
+    """Cut the blocks into the schedule's stages; this rank's stages are installed with FSDP2 in step 5."""
+    pipeline = build_pipeline(module, blocks_path, blocks, schedule, pp_mesh, device, run_step, pp_split, compute_dtype)
+    rank_zero_info(f"HybridStrategy: pipeline {schedule.name} over {schedule.num_stages} stages, blocks per stage"
+                   f" {pipeline.split.blocks_per_stage}, {schedule.microbatches} microbatches")
+    return pipeline
+
+
+def apply_checkpointing(blocks: nn.Module, owned: Sequence[int], plan: CheckpointPlan) -> None:
+    """Checkpoint the blocks of ``owned`` that ``plan`` covers (indices over the whole model)."""
+    count = apply_activation_checkpointing(((i, blocks[i]) for i in owned), plan)
+    rank_zero_info(f"HybridStrategy: activation checkpointing {plan} on {count} blocks")
+
+
+def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: nn.Module, mesh: DeviceMesh, dims: ParallelDims,
+                        options: HybridOptions, precision: str, pipeline: Optional[Pipeline]) -> bool:
+    """FSDP2 over the data mesh (HSDP with replicas), block by block then the root, or per pipeline stage; builds
+    the pipeline's stage modules. Returns whether FSDP2 was applied."""
+    fsdp_mesh = mesh[DATA_DIMS] if dims.dp_replicate > 1 else mesh[DATA_SHARD]
+    fsdp_options = FSDPOptions(zero=int(options.zero), mixed_precision=mixed_precision_policy(precision),
+                               offload=options.offload)
+    # With one data-parallel rank FSDP2 would shard nothing yet make every parameter a DTensor and run its hooks
+    # per block (measured: +15 % step time at tp=2, +20 % at pp=2, BENCHMARKS.md); it stays for what only it
+    # provides here: bf16-mixed's policy and CPU offload.
+    sharded = fsdp_mesh.size() > 1 or options.offload or precision == "bf16-mixed"
+    if pipeline is not None:
+        install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None)
+    elif sharded:
+        apply_fsdp(module, blocks, fsdp_mesh, fsdp_options)
+    mesh_shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+    if sharded:
+        rank_zero_info(f"HybridStrategy: FSDP2 (ZeRO-{options.zero}) over {len(blocks)} blocks of '{blocks_path}',"
+                       f" mesh {mesh_shape}")
+    else:
+        rank_zero_info(f"HybridStrategy: one data-parallel rank, no FSDP2 (mesh {mesh_shape})")
+    return sharded
+
+
+def install_stages(pipeline: Pipeline, blocks: nn.Module, fsdp_mesh: DeviceMesh,
+                   fsdp_options: Optional[FSDPOptions]) -> None:
+    """Build this rank's stage modules; with ``fsdp_options``, FSDP2 per block of each local stage, each stage
+    module the root of its own units."""
+    pipeline.install()
+    if fsdp_options is not None:
+        for stage, stage_module in pipeline.stage_modules.items():
+            stage_blocks = [blocks[i] for i in pipeline.split.block_range(stage)]
+            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options)
+    pipeline.route_units()
+
+
+def apply_materialization(module: nn.Module, device: torch.device) -> None:
+    """Give a meta-device model its values, each rank only its shards (see
+    :mod:`lightning_hybrid.parallel.initialization`). The seed is rank 0's, so every rank draws the same values;
+    every rank calls it."""
+    seed = [torch.initial_seed()]
+    if dist.is_initialized():
+        dist.broadcast_object_list(seed, src=0)
+    if materialize_meta_module(module, device, seed[0]):
+        rank_zero_info(f"HybridStrategy: initialized the meta-device model per module from seed {seed[0]}.")
+
+
+def already_parallel(module: nn.Module) -> bool:
+    """True if ``configure_model`` applied FSDP2 or tensor parallelism itself (Lightning's ModelParallel style)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def accept_user_parallelism(module: nn.Module, options: HybridOptions, device: torch.device) -> None:
+    """For a module that :func:`already_parallel` finds parallelized: apply nothing but materialization, and refuse
+    the options only :func:`parallelize` can apply."""
+    if options.offload or options.checkpointing is not None:
+        raise ValueError(
+            "HybridStrategy(offload=, activation_checkpointing=) are applied while the strategy shards the"
+            " model, but configure_model() already applied FSDP2/tensor parallelism itself. Either let the"
+            " strategy parallelize (build the model in configure_model without fully_shard/parallelize_module)"
+            " or pass offload_policy=CPUOffloadPolicy() to your fully_shard calls and checkpoint your blocks"
+            " there."
+        )
+    rank_zero_info("HybridStrategy: configure_model() already parallelized the model; applying nothing more.")
+    apply_materialization(module, device)

@@ -1,0 +1,91 @@
+"""Data parallelism with FSDP2 (``fully_shard``), and how ZeRO levels map onto it.
+
+FSDP2 keeps every parameter sharded over the data-parallel ranks at rest and reduce-scatters gradients, so
+gradients and optimizer state are always sharded. What remains to choose is whether a block's parameters are
+sharded again between its forward and its backward:
+
+=========  =======================================================  ==========================================
+ZeRO       what is sharded                                           FSDP2 setting
+=========  =======================================================  ==========================================
+``zero=3`` parameters, gradients, optimizer state                    ``reshard_after_forward=True``: all-gather
+                                                                     in forward *and* again in backward
+``zero=2`` gradients, optimizer state (parameters stay gathered      ``reshard_after_forward=False``: one
+           from forward to backward)                                 all-gather per step, more memory
+=========  =======================================================  ==========================================
+
+ZeRO-1 (only optimizer state sharded, full gradients all-reduced) is not offered: FSDP2 always reduce-scatters
+gradients, which moves the same bytes as an all-reduce's reduce phase and holds less memory, so ZeRO-2 is never
+worse than ZeRO-1 here.
+
+Example::
+
+    apply_fsdp(lightning_module, blocks, data_mesh, FSDPOptions(zero=3, mixed_precision=bf16_policy, offload=False))
+
+With ``offload=True`` FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters, their gradients and (because the
+optimizer is created on them) the optimizer state in CPU memory; each unit's parameters are copied to the device
+for its all-gather and gradients copied back after the reduce-scatter, and the optimizer step runs on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_hybrid._compat import StridedShard
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2 policy for a Lightning precision flag.
+
+    ``bf16-mixed`` gathers parameters and computes in bf16 but reduces gradients in fp32 into fp32 sharded
+    parameters (the optimizer's master weights). Other flags keep the parameters' own dtype throughout.
+    """
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """How :func:`apply_fsdp` shards: ZeRO level (2 or 3), mixed precision, CPU offload."""
+
+    zero: int
+    mixed_precision: MixedPrecisionPolicy
+    offload: bool = False
+
+    def offload_policy(self, device_type: str) -> OffloadPolicy:
+        # Pinned host memory lets copies overlap compute, but only an accelerator can use it.
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda") if self.offload else OffloadPolicy()
+
+
+def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, options: FSDPOptions) -> None:
+    """Shard each block as one FSDP2 unit, then the root (embeddings, final norm, head and anything left).
+
+    ``mesh`` is the data-parallel mesh: 1-D for plain sharding, 2-D ``(replicate, shard)`` for HSDP.
+    """
+    common = dict(
+        mesh=mesh,
+        mp_policy=options.mixed_precision,
+        offload_policy=options.offload_policy(mesh.device_type),
+        shard_placement_fn=_shard_placement,
+    )
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=options.zero == 3, **common)
+    # The root is gathered for the embedding at the start of forward and needed again at once by the head and
+    # in backward, so resharding it after forward would only add an all-gather.
+    fully_shard(root, reshard_after_forward=False, **common)
+
+
+def _shard_placement(parameter: nn.Parameter) -> Shard | None:
+    # A fused projection's rows are already dealt to tensor-parallel ranks in strided pieces; sharding the same
+    # dimension again over data-parallel ranks would nest two strided layouts, which DTensor cannot gather back
+    # into the original order. Shard its columns instead.
+    if isinstance(parameter, DTensor) and any(isinstance(p, StridedShard) for p in parameter.placements):
+        return Shard(1)
+    return None

@@ -1,0 +1,323 @@
+"""Automatic tensor parallelism for unmodified blocks.
+
+Megatron-style tensor parallelism shards a *pair* of linear layers: the first column-wise (each rank computes some
+output features), the second row-wise (each rank consumes those features and the partial results are summed).
+Which layers pair up follows from data flow, so :func:`plan_block` reads it from a trace of one block
+(:mod:`lightning_hybrid.parallel.dataflow`):
+
+* a linear layer fed by the block's residual stream is a column candidate;
+* a linear layer fed only by column candidates (through attention, activations, products) is row-wise;
+* a column candidate is kept only if everything that consumes its output is row-wise.
+
+Fused projections (q|k|v in one layer) are sharded with torch's strided placement so that each rank gets whole
+heads of q, k *and* v; integer attributes the forward reads to reshape (head counts, widths) are set to their
+per-rank values. Where the trace leaves a choice open (which factor of a reshape is the head count, whether a value
+that matches a head count is one), :func:`plan_block` lists the candidates and the caller keeps the first whose
+sharded block computes what the unsharded one does (:func:`lightning_hybrid.parallel.tensor_parallel.plan_tensor_parallel`,
+which also applies the plan). Nothing here touches a device mesh.
+
+Example::
+
+    custom, candidates = plan_block(block, trace_block(block, args, kwargs), tp_size=2)
+    plan = BlockPlan(groups=[options[0] for options in candidates], custom=custom)
+    print(plan.describe("model.blocks.*"))      # {"model.blocks.*.attn.qkv": "colwise (strided x3)", ...}
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Iterator, Mapping, Union
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_hybrid.parallel.dataflow import BlockTrace, attribute_holders
+
+PlanEntry = Union[str, ParallelStyle]
+_STYLE_NAMES = ("colwise", "rowwise", "replicate")
+# Trials per pair group while settling ambiguous choices (split factor, which attributes to rescale).
+_MAX_TRIALS = 32
+
+
+@dataclass(frozen=True)
+class ColumnShard:
+    """How a column-parallel layer's output rows are dealt to ranks."""
+
+    #: The output is ``split_factor`` equal pieces (q|k|v); each rank gets its chunk of every piece.
+    split_factor: int = 1
+
+
+@dataclass
+class PairGroup:
+    """Column layers and the row layers that consume them (e.g. q, k, v → o), plus the attributes to rescale."""
+
+    columns: dict[str, ColumnShard]
+    rows: list[str]
+    owner: str
+    #: ``(object path, attribute)`` of integer attributes set to ``value // tp`` on each rank.
+    scaled_attributes: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def layers(self) -> list[str]:
+        return [*self.columns, *self.rows]
+
+
+@dataclass
+class BlockPlan:
+    """Tensor-parallel plan of one block, in module names relative to the block."""
+
+    groups: list[PairGroup]
+    custom: dict[str, ParallelStyle] = field(default_factory=dict)
+
+    def describe(self, prefix: str = "") -> dict[str, str]:
+        """The plan as ``{module name: style}``, the same form :class:`HybridStrategy`'s ``tp_plan`` accepts."""
+        at = (prefix + ".") if prefix else ""
+        described: dict[str, str] = {}
+        for group in self.groups:
+            for name, shard in group.columns.items():
+                if name in self.custom:
+                    continue
+                strided = f" (strided x{shard.split_factor})" if shard.split_factor > 1 else ""
+                described[at + name] = "colwise" + strided
+            described.update({at + name: "rowwise" for name in group.rows if name not in self.custom})
+            described.update({f"{at}{obj}.{attr}" if obj else at + attr: "÷tp" for obj, attr in group.scaled_attributes})
+        described.update({at + name: type(style).__name__ for name, style in self.custom.items()})
+        return described
+
+
+# ----------------------------------------------------------------------------------------------------- planning
+def plan_block(
+    block: nn.Module,
+    trace: BlockTrace,
+    tp_size: int,
+    overrides: Mapping[str, PlanEntry] | None = None,
+) -> tuple[dict[str, ParallelStyle], list[list[PairGroup]]]:
+    """Classify the block's linear layers; return the user's explicit styles and, per pair group, the candidate
+    shardings to verify (most likely first).
+
+    ``overrides`` maps block-relative module names (already resolved from user patterns) to a style.
+    """
+    overrides = dict(overrides or {})
+    _reject_unplannable_modules(block, overrides)
+    custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
+    roles = _classify(trace, overrides)
+    candidates = [
+        _group_candidates(block, trace, columns, rows, tp_size)
+        for columns, rows in _pair_groups(trace, roles)
+    ]
+    return custom, candidates
+
+
+def _classify(trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> dict[str, str]:
+    """Assign ``colwise``/``rowwise``/``replicate`` to every traced linear, demoting pairs that cannot hold."""
+    stream = {source for source in trace.output_sources if source.startswith("arg")}
+    roles: dict[str, str] = {}
+    for name, use in trace.linears.items():
+        forced = overrides.get(name)
+        if forced is not None:
+            roles[name] = _role_of(forced)
+            continue
+        producers = [source for source in use.sources if source in trace.linears]
+        if use.sources & stream or not producers or any(roles[p] != "colwise" for p in producers):
+            roles[name] = "colwise"
+        else:
+            roles[name] = "rowwise"
+    changed = True
+    while changed:  # demote until every column feeds only rows and every row reads only columns
+        changed = False
+        for name, role in roles.items():
+            if name in overrides:
+                continue
+            producers = [s for s in trace.linears[name].sources if s in trace.linears]
+            ok = (
+                all(roles.get(user) == "rowwise" for user in trace.consumers(name))
+                and bool(trace.consumers(name))
+                if role == "colwise"
+                else role != "rowwise" or all(roles[p] == "colwise" for p in producers)
+            )
+            if not ok:
+                roles[name], changed = "replicate", True
+    return roles
+
+
+def _role_of(entry: PlanEntry) -> str:
+    if isinstance(entry, ColwiseParallel):
+        return "colwise"
+    if isinstance(entry, RowwiseParallel):
+        return "rowwise"
+    if isinstance(entry, ParallelStyle):
+        return "replicate"
+    return entry
+
+
+def _pair_groups(trace: BlockTrace, roles: dict[str, str]) -> Iterator[tuple[list[str], list[str]]]:
+    """Connected components of column → row edges, in execution order."""
+    seen: set[str] = set()
+    for name in trace.linears:
+        if roles[name] != "rowwise" or name in seen:
+            continue
+        rows, columns, frontier = {name}, set(), [name]
+        while frontier:
+            current = frontier.pop()
+            if roles[current] == "rowwise":
+                new = {s for s in trace.linears[current].sources if s in trace.linears} - columns
+                columns |= new
+            else:
+                new = {u for u in trace.consumers(current) if u in trace.linears} - rows
+                rows |= new
+            frontier.extend(new)
+        seen |= rows
+        order = list(trace.linears)
+        yield sorted(columns, key=order.index), sorted(rows, key=order.index)
+
+
+def _reject_unplannable_modules(block: nn.Module, overrides: Mapping[str, PlanEntry]) -> None:
+    """Matrix-shaped parameters outside nn.Linear cannot be sharded automatically: ask the user what to do."""
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear) or name in overrides:
+            continue
+        own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+        if own:
+            raise ValueError(
+                f"Tensor parallel planning cannot shard {type(module).__name__} {name!r} in"
+                f" {type(block).__name__} (it has a {own[0].dim()}-D parameter and is not an nn.Linear). Add an"
+                f" entry for it to HybridStrategy(tp_plan=...), e.g. tp_plan={{'*.{name}': 'replicate'}} to keep it"
+                " whole on every tensor-parallel rank, or a torch ParallelStyle."
+            )
+
+
+def _group_candidates(
+    block: nn.Module, trace: BlockTrace, columns: list[str], rows: list[str], tp_size: int
+) -> list[PairGroup]:
+    """All plausible ways to shard one pair group, most likely first."""
+    shard_options = [_column_options(block, trace, name, tp_size) for name in columns]
+    owner = _common_owner([*columns, *rows])
+    groups = []
+    for choice in itertools.product(*shard_options):
+        columns_map = {name: ColumnShard(split) for name, (split, _, _) in zip(columns, choice)}
+        scaled: set[int] = {block.get_submodule(r).in_features for r in rows}
+        kept: set[int] = set()
+        for split, scaled_values, kept_values in choice:
+            scaled |= scaled_values
+            kept |= kept_values
+        likely, doubtful = _attributes_to_scale(trace, owner, scaled, kept, block)
+        for subset in _subsets(likely, doubtful):
+            groups.append(PairGroup(columns_map, rows, owner, list(subset)))
+    return groups[:_MAX_TRIALS]
+
+
+def _column_options(block: nn.Module, trace: BlockTrace, name: str, tp: int) -> list[tuple[int, set[int], set[int]]]:
+    """``(split_factor, values that become per-rank, values that stay)`` for each way to deal whole heads."""
+    width = block.get_submodule(name).out_features
+    cuts = [cut for cut in trace.cuts if cut.linear == name]
+    pieces = next((cut.pieces for cut in cuts if cut.pieces), ())
+    if len(set(pieces)) > 1:
+        raise ValueError(
+            f"{name!r} is a fused projection whose output is split into unequal pieces {list(pieces)} (grouped-query"
+            " attention with a fused qkv). Whole heads of each piece cannot be dealt to ranks with one shard"
+            f" layout. Pass tp_plan={{'*.{name}': 'replicate'}} together with the layer that consumes it, or"
+            " split the projection into separate q, k, v layers."
+        )
+    base = len(pieces) if pieces else 1
+    piece_width = width // base
+    options: list[tuple[int, set[int], set[int]]] = []
+    shapes = {cut.factors for cut in cuts if cut.factors}
+    for factors in shapes:
+        # Shard one non-innermost factor (the innermost is the head size); try the innermost candidates first.
+        for index in reversed(range(len(factors) - 1)):
+            if factors[index] % tp:
+                continue
+            split = base * math.prod(factors[:index])
+            kept = {*factors[:index], *factors[index + 1:], split} - {1}
+            options.append((split, {width, piece_width, factors[index], *pieces} - kept, kept))
+    if not shapes and piece_width % tp == 0:
+        options.append((base, {width, piece_width, *pieces}, {base} - {1}))
+    if not options:
+        heads = " or ".join(f"{' × '.join(map(str, f))}" for f in shapes)
+        detail = f"its output is reshaped into {heads}" if heads else f"it has {piece_width} output features"
+        raise ValueError(
+            f"tp={tp} does not divide the layout of {name!r}: {detail}. Choose a tp that divides the number of"
+            f" heads (and key/value heads) and the layer widths, or pass tp_plan={{'*.{name}': 'replicate'}}."
+        )
+    return list(dict.fromkeys((s, frozenset(a), frozenset(b)) for s, a, b in options))  # type: ignore[misc]
+
+
+def _common_owner(names: list[str]) -> str:
+    parts = [name.split(".")[:-1] for name in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _attributes_to_scale(
+    trace: BlockTrace, owner: str, scaled: set[int], kept: set[int], block: nn.Module
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Integer attributes under ``owner``, read by the forward, whose value equals a size that becomes per-rank.
+
+    A value match is only a hint (a group count can equal a head count), so the caller tries subsets; attributes
+    whose value also equals a size that stays (e.g. the head size) are the doubtful ones.
+    """
+    likely, doubtful = [], []
+    for path, holder in attribute_holders(block):
+        if owner and path != owner and not path.startswith(owner + "."):
+            continue
+        for attr, value in vars(holder).items():
+            read = (path, attr) in trace.attribute_reads or path in trace.unobserved
+            if type(value) is int and read and value in scaled:
+                (doubtful if value in kept else likely).append((path, attr))
+    return likely, doubtful
+
+
+def _subsets(likely: list[tuple[str, str]], doubtful: list[tuple[str, str]]) -> Iterator[tuple[tuple[str, str], ...]]:
+    """Attribute sets to try: all likely ones first (head counts are the usual reason a value shows up in a
+    reshape), then fewer; doubtful ones are added to each likely set before it is tried without them."""
+    for size in range(len(likely), -1, -1):
+        for chosen in itertools.combinations(likely, size):
+            for extra in range(len(doubtful), -1, -1):
+                for added in itertools.combinations(doubtful, extra):
+                    yield chosen + added
+
+
+def resolve_overrides(tp_plan: Mapping[str, PlanEntry], names: list[str]) -> dict[str, PlanEntry]:
+    """Expand ``tp_plan`` patterns (``fnmatch`` syntax) into exact module names; later entries win."""
+    resolved: dict[str, PlanEntry] = {}
+    for pattern, entry in tp_plan.items():
+        if not isinstance(entry, ParallelStyle) and entry not in _STYLE_NAMES:
+            raise ValueError(
+                f"tp_plan[{pattern!r}] = {entry!r} is not a style: use one of {', '.join(_STYLE_NAMES)} or a"
+                " torch.distributed.tensor.parallel.ParallelStyle."
+            )
+        matched = [name for name in names if fnmatchcase(name, pattern)]
+        if not matched:
+            examples = ", ".join(names[:6])
+            raise ValueError(f"tp_plan entry {pattern!r} matches no module. Module names look like: {examples}, ...")
+        resolved.update(dict.fromkeys(matched, entry))
+    return resolved
+
+
+def block_tp_overrides(root: nn.Module, tp_plan: Mapping[str, PlanEntry], blocks_path: str,
+                       count: int) -> dict[str, PlanEntry]:
+    """``tp_plan``'s entries for the blocks, relative to one block (the plan every block gets)."""
+    overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
+    return _per_block_overrides(overrides, blocks_path, count)
+
+
+def _per_block_overrides(overrides: Mapping[str, PlanEntry], blocks_path: str, count: int) -> dict[str, PlanEntry]:
+    """``tp_plan`` entries inside the blocks, relative to one block; one plan serves every block."""
+    per_block: list[dict[str, PlanEntry]] = [{} for _ in range(count)]
+    for name, entry in overrides.items():
+        if name.startswith(blocks_path + "."):
+            index, _, relative = name[len(blocks_path) + 1:].partition(".")
+            per_block[int(index)][relative] = entry
+    if any(entries != per_block[0] for entries in per_block):
+        raise ValueError(
+            f"tp_plan entries inside '{blocks_path}' must treat every block alike (one plan is applied to all"
+            f" blocks); write them with a wildcard, e.g. '{blocks_path}.*.attn.qkv'."
+        )
+    return per_block[0]

@@ -1,0 +1,273 @@
+"""Pipeline parallelism for an unmodified LightningModule, on ``torch.distributed.pipelining``.
+
+Every pipeline rank runs the user's own ``training_step`` (or validation/test/predict step) for each of its
+stages and microbatches, with only its stages' units computing (:mod:`lightning_hybrid.pipeline.dispatch`). The
+batch reaches every stage as a keyword argument, which torch's schedules split into microbatches for every stage.
+
+Lightning semantics kept by :meth:`Pipeline.run_step`: each microbatch's loss is scaled by
+``1 / (microbatches × accumulate_grad_batches)`` in the schedule's loss function (schedules are built with
+``scale_grads=False``, which would otherwise divide earlier accumulated gradients again); gradients computed
+inside the step are set aside and added back when Lightning calls ``backward``, after its ``zero_grad``; logs and
+the step's output are combined over microbatches and replayed on every rank
+(:mod:`lightning_hybrid.pipeline.semantics`).
+
+Example::
+
+    pipeline = build_pipeline(lightning_module, "model.blocks", blocks, PipelineSchedule.resolve("1f1b", pp=2),
+                              mesh["pp"], device, run_step=lambda: lightning_module.training_step(batch, 0))
+    pipeline.install()                                       # then FSDP2 on pipeline.stage_modules, then:
+    pipeline.route_units()
+    loss = pipeline.run_step("training_step", batch, 0)     # forward and backward for all microbatches
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_hybrid._compat import keep_forward_actions, tree_flatten, tree_map
+from lightning_hybrid.parallel.blocks import detached
+from lightning_hybrid.pipeline.dispatch import (
+    ActiveStage,
+    RemoteUnit,
+    StageOutput,
+    UnitDispatcher,
+    make_shadows,
+    staged_class,
+)
+from lightning_hybrid.pipeline.schedules import PipelineSchedule
+from lightning_hybrid.pipeline.semantics import (
+    check_batch,
+    combine_logs,
+    combine_outputs,
+    original_log,
+    recording_logs,
+    to_cpu,
+)
+from lightning_hybrid.pipeline.split import StageSplit, plan_split, trace_step
+from lightning_hybrid.pipeline.timing import StepRecorder, StepTimeline
+
+NEEDS_AUTOMATIC_OPTIMIZATION = (
+    "the pipeline runs forward and backward of all microbatches inside its schedule, so it needs automatic"
+    " optimization; manual_backward() cannot be pipelined"
+)
+
+
+def build_pipeline(module: Any, blocks_path: str, blocks: nn.Module, schedule: PipelineSchedule,
+                   pp_mesh: DeviceMesh, device: torch.device, run_step: Callable[[], Any],
+                   pp_split: Optional[Sequence[int]] = None,
+                   compute_dtype: Optional[torch.dtype] = None) -> "Pipeline":
+    """Trace one step (``run_step``), split it into the schedule's stages (``pp_split`` blocks per stage, else
+    balanced by FLOPs) and keep meta-device stand-ins of every unit, taken before any other parallelism changes
+    the units."""
+    if not getattr(module, "automatic_optimization", True):
+        raise ValueError(f"HybridStrategy(pp > 1): {NEEDS_AUTOMATIC_OPTIMIZATION}. Set"
+                         " self.automatic_optimization = True or use pp=1.")
+    trace = trace_step(module, blocks, run_step)
+    split = plan_split(module, blocks_path, blocks, trace, schedule.num_stages, pp_split)
+    shadows = make_shadows(module, split, compute_dtype)
+    return Pipeline(module, split, schedule, pp_mesh, device, shadows, compute_dtype)
+
+
+class _StageModule(nn.Module):
+    """What :class:`PipelineStage` runs for one stage: the user's step, with this stage's units computing.
+
+    It registers the stage's units so that FSDP2 can make it the root of their sharding; the LightningModule
+    itself is held without registering it (it also contains other stages' units).
+    """
+
+    def __init__(self, pipeline: "Pipeline", stage: int, units: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.stage_units = nn.ModuleList(units)
+        self._pipeline_ref = (pipeline, stage)
+
+    def forward(self, *received: Tensor, batch: Any, step_args: tuple = (), step_kwargs: Optional[dict] = None) -> Any:
+        pipeline, stage = self._pipeline_ref
+        return pipeline.run_stage(stage, received, batch, step_args, step_kwargs or {})
+
+
+class Pipeline:
+    """Stages of one pipeline rank, their torch schedules, and the Lightning semantics of a pipelined step."""
+
+    def __init__(self, module: Any, split: StageSplit, schedule: PipelineSchedule, pp_mesh: DeviceMesh,
+                 device: torch.device, shadows: list[nn.Module], compute_dtype: Optional[torch.dtype] = None) -> None:
+        self.module = module
+        self.split = split
+        self.schedule = schedule
+        self._pp_rank = pp_mesh.get_local_rank()
+        self.stage_ids = schedule.stage_ids(self._pp_rank)
+        self._group = pp_mesh.get_group()
+        self._device = device
+        self._dispatcher = UnitDispatcher(split, shadows, device, compute_dtype)
+        self.stage_modules: dict[int, _StageModule] = {}
+        self._schedules: dict[Any, Any] = {}
+        self._step_name = "training_step"
+        self._loss_scale = 1.0
+        self._microbatch_outputs: list[Any] = []
+        self._microbatch_logs: list[list[tuple[str, Any, dict]]] = []
+        self._step_gradients: list[tuple[nn.Parameter, Optional[Tensor]]] = []
+        self._recorder = StepRecorder(device)
+        #: The last recorded training step of this rank (see :class:`StepTimeline`).
+        self.last_timeline: Optional[StepTimeline] = None
+        last_stage = schedule.stage_ranks()[schedule.num_stages - 1]
+        self._last_stage_rank = dist.get_global_rank(self._group, last_stage)
+
+    @property
+    def record_timeline(self) -> bool:
+        """Record each training step's compute actions into :attr:`last_timeline` (the monitor turns this on)."""
+        return self._recorder.recording
+
+    @record_timeline.setter
+    def record_timeline(self, value: bool) -> None:
+        self._recorder.recording = value
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The process group of this pipeline's ranks."""
+        return self._group
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this pipeline, in pipeline order."""
+        return dist.get_process_group_ranks(self._group)
+
+    @property
+    def owned_blocks(self) -> list[int]:
+        """Indices of the blocks this rank's stages run."""
+        return [i for stage in self.stage_ids for i in self.split.block_range(stage)]
+
+    # ---------------------------------------------------------------------------------------- building
+    def install(self) -> None:
+        """Swap other ranks' units for parameter-free stand-ins and build this rank's stage modules (before FSDP2,
+        which the caller applies to ``stage_modules``)."""
+        owned: dict[int, list[nn.Module]] = {stage: [] for stage in self.stage_ids}
+        for index, unit in enumerate(self.split.units):
+            parent_name, _, attribute = unit.name.rpartition(".")
+            parent = self.module.get_submodule(parent_name)
+            if unit.stage in owned:
+                owned[unit.stage].append(getattr(parent, attribute))
+            else:
+                setattr(parent, attribute, RemoteUnit(self._dispatcher, index))
+        self.stage_modules = {stage: _StageModule(self, stage, units) for stage, units in owned.items()}
+
+    def route_units(self) -> None:
+        """Make this rank's units consult the dispatcher on every call (after FSDP2 fixed their classes)."""
+        for index, unit in enumerate(self.split.units):
+            if unit.stage in self.stage_modules:
+                module = self.module.get_submodule(unit.name)
+                module.__class__ = staged_class(type(module))
+                module._pipeline_unit = (self._dispatcher, index)
+
+    # --------------------------------------------------------------------------------------- one stage
+    def run_stage(self, stage: int, received: tuple, batch: Any, step_args: tuple, step_kwargs: dict) -> Any:
+        """The body of a stage module's forward: the user's step with this stage active."""
+        blocks = self.split.block_range(stage)
+        self._dispatcher.active = ActiveStage(stage, blocks, stage == 0, stage == self.split.num_stages - 1, received)
+        logs: list[tuple[str, Any, dict]] = []
+        try:
+            with recording_logs(self.module, logs):
+                output = getattr(self.module, self._step_name)(batch, *step_args, **step_kwargs)
+        except StageOutput as done:
+            return tuple(t for t in tree_flatten(done.output)[0] if isinstance(t, Tensor))
+        finally:
+            self._dispatcher.end_stage()
+        self._microbatch_logs.append(logs)
+        self._microbatch_outputs.append(tree_map(detached, output))
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if self._step_name == "training_step":
+            if not isinstance(loss, Tensor):
+                raise RuntimeError(
+                    "With pp > 1, training_step must return the loss (a tensor, or a dict with 'loss') for every"
+                    f" microbatch; it returned {type(output).__name__}."
+                )
+            return loss
+        return loss if isinstance(loss, Tensor) and loss.numel() == 1 else torch.zeros((), device=self._device)
+
+    # ---------------------------------------------------------------------------------------- one step
+    def run_step(self, step_name: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``step_name`` over the batch's microbatches on all stages; returns the step's (combined) output."""
+        training = step_name == "training_step"
+        microbatches = self.schedule.microbatches
+        check_batch(batch, microbatches)
+        schedule = self._schedule_for(training, batch)
+        self._step_name = step_name
+        self._loss_scale = 1.0 / (microbatches * self.module.trainer.accumulate_grad_batches) if training else 1.0
+        self._microbatch_outputs, self._microbatch_logs = [], []
+        target = torch.arange(microbatches, device=self._device)  # unused by the loss: one entry per microbatch
+        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        kept = [p.grad for p in parameters]
+        for parameter in parameters:
+            parameter.grad = None  # this step's gradients alone; the kept ones come back below
+        timed = training and self.record_timeline
+        if timed:
+            self._recorder.start()
+        try:
+            step_inputs = dict(batch=batch, step_args=args, step_kwargs=kwargs)
+            if training:
+                schedule.step(target=target, return_outputs=False, **step_inputs)
+            else:
+                with torch.no_grad():
+                    schedule.eval(target=target, return_outputs=False, **step_inputs)
+        finally:
+            self._step_gradients = [(p, p.grad) for p in parameters] if training else []
+            for parameter, grad in zip(parameters, kept):
+                parameter.grad = grad
+        output, logs = self._broadcast_from_last_stage(step_name)
+        if timed:
+            self.last_timeline = self._recorder.timeline(self._pp_rank)
+        for name, value, log_kwargs in logs:
+            original_log(self.module)(name, value, **log_kwargs)
+        return output
+
+    def add_step_gradients(self) -> None:
+        """Accumulate the gradients of the last pipelined training step (Lightning's ``backward``)."""
+        for parameter, grad in self._step_gradients:
+            if grad is None:
+                continue
+            if parameter.grad is None:
+                parameter.grad = grad
+            else:
+                parameter.grad += grad
+        self._step_gradients = []
+
+    def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
+        return output * self._loss_scale
+
+    def _schedule_for(self, training: bool, batch: Any) -> Any:
+        """One torch schedule (with its own stages) per mode and microbatch shape: a stage infers its
+        send/receive shapes once, and switching modes on one schedule would redo that and clear gradients."""
+        key = (training, tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0] if isinstance(t, Tensor)))
+        if key not in self._schedules:
+            stages = [
+                PipelineStage(self.stage_modules[s], s, self.schedule.num_stages, self._device, group=self._group)
+                for s in self.stage_ids
+            ]
+            for stage in stages:
+                self._recorder.wrap(stage)
+            schedule = self.schedule.torch_class(
+                stages[0] if self.schedule.single_stage else stages,
+                n_microbatches=self.schedule.microbatches,
+                loss_fn=self._loss_fn,
+                scale_grads=False,
+            )
+            if not training and self.schedule.placement == "v":
+                keep_forward_actions(schedule)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def _broadcast_from_last_stage(self, step_name: str) -> tuple[Any, list]:
+        """The last stage's combined output and log calls, sent to every rank of this pipeline."""
+        payload: list[Any] = [None]
+        if dist.get_rank() == self._last_stage_rank:
+            count = self.schedule.microbatches
+            # A new schedule's first step also ran each stage once to infer shapes: keep the real microbatches.
+            outputs, logs = self._microbatch_outputs[-count:], self._microbatch_logs[-count:]
+            payload = [(tree_map(to_cpu, combine_outputs(outputs, step_name)), combine_logs(logs))]
+        dist.broadcast_object_list(payload, src=self._last_stage_rank, group=self._group)
+        output, logs = payload[0]
+        return tree_map(lambda v: v.to(self._device) if isinstance(v, Tensor) else v, output), logs

@@ -1,0 +1,170 @@
+"""``HybridStrategy(tp="auto", pp="auto")``: choose the layout at setup with the planner's cost model, applied to the
+live module, its first batch and the hardware the job runs on.
+
+:func:`choose_for_run` measures the module (:mod:`lightning_hybrid.plan.measure`) and the hardware
+(:mod:`lightning_hybrid.plan.probe`, or ``HybridStrategy(cluster=...)``), estimates every layout the fixed
+options leave open with the DataLoader's batch per data-parallel rank (so the global batch grows with dp, as
+anywhere in Lightning), and takes the feasible one with the most tokens per second (:func:`choose_layout`);
+rank 0's choice is broadcast so every rank adopts the same one.
+
+Example::
+
+    Trainer(accelerator="gpu", devices=8, strategy=HybridStrategy(tp="auto", pp="auto"))   # logs the choice
+    HybridStrategy(tp=2, pp="auto", cluster=Cluster.preset("h100-sxm", nodes=4))            # given hardware
+    choose_layout(model_shape, cluster, HybridOptions(tp="auto", pp="auto"), per_rank_batch=8, precision="bf16-mixed")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hybrid.options import AUTO, Degree, HybridOptions
+from lightning_hybrid.pipeline.runtime import NEEDS_AUTOMATIC_OPTIMIZATION
+from lightning_hybrid.plan.cost import estimate
+from lightning_hybrid.plan.hardware import GIB, Cluster
+from lightning_hybrid.plan.layout import Estimate, Layout
+from lightning_hybrid.plan.measure import measure_model, tensor_parallel_obstacles
+from lightning_hybrid.plan.model import ModelShape
+from lightning_hybrid.plan.probe import detect_cluster
+from lightning_hybrid.plan.search import divisors
+
+
+# ------------------------------------------------------------------------------------------------- in the run
+def choose_for_run(module: nn.Module, blocks_path: str, block_call: tuple[tuple, dict], options: HybridOptions, *,
+                   device: torch.device, nodes: int, devices_per_node: int, precision: str,
+                   accumulation: int) -> tuple[Estimate, str]:
+    """The chosen layout's estimate and a log line describing the choice, the same on every rank (rank 0's,
+    broadcast; every process calls). ``block_call`` is the first block's captured call on the first batch;
+    ``accumulation`` the Trainer's ``accumulate_grad_batches``. Raises ``ValueError`` when nothing fits."""
+    model, tokens, obstacles = _measure_run(module, blocks_path, block_call, options, device)
+    if options.cluster is not None:
+        cluster, hardware = options.cluster, "as given (cluster=)"
+    else:
+        cluster, hardware = detect_cluster(device, nodes, devices_per_node, precision)
+    outcome: list[Union[str, tuple[Estimate, str]]]
+    try:
+        ranked = choose_layout(model, cluster, options, tokens // model.seq_len, precision, accumulation, obstacles)
+        outcome = [(ranked[0], describe_choice(ranked, cluster, hardware))]
+    except ValueError as error:
+        outcome = [str(error)]
+    dist.broadcast_object_list(outcome, src=0)  # one choice for all ranks, even where probes measured differently
+    if isinstance(outcome[0], str):
+        raise ValueError(outcome[0])
+    return outcome[0]
+
+
+def _measure_run(module: nn.Module, blocks_path: str, block_call: tuple[tuple, dict], options: HybridOptions,
+                 device: torch.device) -> tuple[ModelShape, int, "Obstacles"]:
+    """The module's shape, the tokens of its first batch, and the layouts it cannot take."""
+    accelerator_rng = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=accelerator_rng):  # measuring must not shift the user's random streams
+        model, tokens = measure_model(module, blocks_path, block_call)
+        degrees = divisors(dist.get_world_size())[1:] if options.tp == AUTO else [int(options.tp)]
+        check_on = device.type if options.verify_tp_plan else None
+        obstacles = Obstacles(
+            tensor_parallel=tensor_parallel_obstacles(module, blocks_path, block_call, degrees, options.tp_plan,
+                                                      check_on),
+            pipeline=None if getattr(module, "automatic_optimization", True) else NEEDS_AUTOMATIC_OPTIMIZATION)
+    return model, tokens, obstacles
+
+
+# ------------------------------------------------------------------------------------------------- choosing
+def candidate_layouts(options: HybridOptions, world: int, accumulation: int = 1) -> list[Layout]:
+    """Every layout of ``world`` devices that keeps ``options``' fixed degrees; ``accumulation`` is the Trainer's
+    ``accumulate_grad_batches`` (the planner's microbatches when pp = 1)."""
+    layouts = []
+    for tp in _choices(options.tp, world):
+        for pp in _choices(options.pp, world):
+            rest, remainder = divmod(world, tp * pp * options.dp_replicate)
+            dp = rest if options.dp == AUTO else int(options.dp)
+            if remainder or dp * tp * pp * options.dp_replicate != world:
+                continue
+            pipeline = dict(pp_schedule=options.pp_schedule, microbatches=options.microbatches,
+                            virtual_stages=options.virtual_stages) if pp > 1 else dict(
+                                microbatches=accumulation if accumulation > 1 else None)
+            layouts.append(Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, zero=int(options.zero),
+                                  activation_checkpointing=options.planned_checkpointing, **pipeline))
+    return layouts
+
+
+def _choices(degree: Degree, world: int) -> list[int]:
+    return divisors(world) if degree == AUTO else [int(degree)]
+
+
+@dataclass(frozen=True)
+class Obstacles:
+    """Why the module cannot take some layouts, beyond the cost model's own reasons."""
+
+    tensor_parallel: Mapping[int, str] = field(default_factory=dict)  # tp degree → why the blocks refuse it
+    pipeline: Optional[str] = None  # why the module cannot be pipelined at all
+
+    def reasons(self, layout: Layout) -> tuple[str, ...]:
+        reasons = [self.tensor_parallel[layout.tp]] if layout.tp in self.tensor_parallel else []
+        return (*reasons, *([self.pipeline] if self.pipeline and layout.pp > 1 else []))
+
+
+def choose_layout(model: ModelShape, cluster: Cluster, options: HybridOptions, per_rank_batch: int, precision: str,
+                  accumulation: int = 1, obstacles: Obstacles = Obstacles()) -> list[Estimate]:
+    """Estimates of every layout ``options`` leave open, ranked: feasible ones by tokens per second (most first;
+    ties: less memory), then the infeasible ones, nearest to fitting first. ``per_rank_batch`` is the DataLoader's
+    batch (sequences per data-parallel rank and step). Raises ``ValueError`` saying what would fit when nothing
+    does."""
+    estimates = []
+    for layout in candidate_layouts(options, cluster.gpus, accumulation):
+        global_batch = per_rank_batch * layout.dp * layout.dp_replicate * layout.accumulation_steps
+        result = estimate(model, cluster, layout, global_batch, precision)
+        estimates.append(replace(result, reasons=(*result.reasons, *obstacles.reasons(layout))))
+    feasible = sorted((e for e in estimates if e.feasible), key=lambda e: (-e.tokens_per_second, e.memory.total))
+    infeasible = sorted((e for e in estimates if not e.feasible),
+                        key=lambda e: (len(e.reasons) - e.out_of_memory, e.memory.total))
+    if not feasible:
+        raise ValueError(_nothing_fits(model, cluster, options, per_rank_batch, precision, accumulation, obstacles,
+                                       infeasible))
+    return feasible + infeasible
+
+
+def _nothing_fits(model: ModelShape, cluster: Cluster, options: HybridOptions, per_rank_batch: int, precision: str,
+                  accumulation: int, obstacles: Obstacles, ranked: list[Estimate]) -> str:
+    nearest = ranked[0] if ranked else None
+    message = (f"HybridStrategy(tp={options.tp!r}, pp={options.pp!r}) found no layout of {cluster.gpus} devices that"
+               f" can train this model with {per_rank_batch} sequences of {model.seq_len} tokens per data-parallel"
+               " rank.")
+    if nearest is not None:
+        message += f" The nearest, {nearest.layout}: {'; '.join(nearest.reasons)}."
+    if options.planned_checkpointing is None:
+        checkpointed = replace(options, activation_checkpointing="every")
+        try:
+            best = choose_layout(model, cluster, checkpointed, per_rank_batch, precision, accumulation, obstacles)[0]
+        except ValueError:
+            pass
+        else:
+            return message + (f" With HybridStrategy(activation_checkpointing='every') {best.layout} fits"
+                              f" ({_size(best.memory.total)} per device).")
+    return message + " Lower the DataLoader's batch size or add devices."
+
+
+def describe_choice(ranked: Sequence[Estimate], cluster: Cluster, hardware: str) -> str:
+    """One log line: the chosen layout, its predicted memory and throughput, the runner-up, and the hardware."""
+    chosen = ranked[0]
+    memory = chosen.memory
+    where = "" if memory.stage == "only" else f" ({memory.stage} pipeline stage)"
+    text = (f"chose {chosen.layout} for {cluster.gpus} devices: predicted {_size(memory.total)} per device{where} of"
+            f" {_size(cluster.usable_memory)} usable (model states {_size(memory.model_states)}, gathered parameters"
+            f" {_size(memory.gathered_parameters)}, activations {_size(memory.activations)}, logits"
+            f" {_size(memory.logits)}), {chosen.tokens_per_second:,.0f} tokens/s")
+    runner_up = next((e for e in ranked[1:] if e.feasible), None)
+    if runner_up is not None:
+        text += f"; next {runner_up.layout} at {runner_up.tokens_per_second:,.0f} tokens/s"
+    ruled_out = [e for e in ranked if not e.feasible]
+    if ruled_out:
+        text += f"; {len(ruled_out)} ruled out (e.g. {ruled_out[0].layout}: {ruled_out[0].reasons[0]})"
+    return text + f". Hardware: {hardware}."
+
+
+def _size(size_bytes: float) -> str:
+    return f"{size_bytes / GIB:.2f} GiB" if size_bytes >= GIB / 10 else f"{size_bytes / 2**20:.2f} MiB"

@@ -1,0 +1,134 @@
+"""Sharded checkpoints: exact resume in a new process group, and resuming under another layout (resharding),
+with pipeline parallelism included.
+
+Every run trains the 4-block GPT for 6 optimizer steps (accumulation 2) and saves a DCP checkpoint at the end of
+epoch 0 (step 4); a resumed run loads it in new processes and trains steps 5 and 6. The uninterrupted run of the
+source layout is the reference: same layout → bit-identical, other layout → within fp32 rounding of it (the data
+of a global batch is the same set of samples for every data-parallel size, see ``tests/equivalence.py``).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_hybrid.checkpoint.export import export_checkpoint, load_module_state
+from tests.conftest import CHECKPOINTED_LAYERS, CHECKPOINTED_LAYOUTS
+from tests.helpers import ScriptError, relative_difference, run_script
+
+pytestmark = pytest.mark.slow
+
+def _resume(layout: str, checkpoint: Path, out: Path) -> dict:
+    return run_script(["--model", "gpt", "--layers", CHECKPOINTED_LAYERS, *CHECKPOINTED_LAYOUTS[layout],
+                       "--ckpt-path", checkpoint, "--out", out])
+
+
+def _differences(uninterrupted: dict, resumed: dict) -> tuple[float, float]:
+    """Largest relative difference of the resumed run's losses (steps 5-6) and final parameters."""
+    assert len(resumed["losses"]) == 4  # steps 5 and 6, two micro-batches each
+    assert resumed["learning_rates"] == uninterrupted["learning_rates"][-2:]
+    assert resumed["params"].keys() == uninterrupted["params"].keys()
+    losses = max(abs(a - b) / abs(a) for a, b in zip(uninterrupted["losses"][-4:], resumed["losses"]))
+    params = max(relative_difference(uninterrupted["params"][k], resumed["params"][k]) for k in resumed["params"])
+    return losses, params
+
+
+def test_resume_in_new_processes_is_bit_exact_for_a_3d_layout(uninterrupted, tmp_path: Path) -> None:
+    source, checkpoint = uninterrupted("dp2_tp2_pp2")
+    assert sorted(p.suffix for p in checkpoint.iterdir()).count(".distcp") == 8  # one shard file per rank
+    resumed = _resume("dp2_tp2_pp2", checkpoint, tmp_path / "resumed.pt")
+    assert _differences(source, resumed) == (0.0, 0.0)
+    print(f"rank 0 save seconds {source['checkpoint_seconds']['save']}, load {resumed['checkpoint_seconds']['load']}")
+    # Exported to one file in one process: the unmodified module's state dict, equal to what the resumed ranks
+    # loaded (fused qkv rows in their original order, both pipeline stages).
+    exported = torch.load(export_checkpoint(checkpoint, tmp_path / "model.ckpt"), weights_only=False)["state_dict"]
+    assert exported.keys() == resumed["initial_params"].keys()
+    for name, tensor in resumed["initial_params"].items():
+        assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize(("source", "target"), [("dp2_tp2_pp2", "tp2_pp2"), ("dp2_tp2", "dp4"), ("dp2_tp2", "pp4")])
+def test_resume_under_another_layout_continues_the_same_training(
+    source: str, target: str, uninterrupted, tmp_path: Path
+) -> None:
+    """Fewer ranks, tensor parallelism traded for data or pipeline parallelism: the DCP checkpoint is keyed by the
+    unmodified module's parameter names and global shapes, so any layout reads its own shards of it."""
+    result, checkpoint = uninterrupted(source)
+    resumed = _resume(target, checkpoint, tmp_path / "resumed.pt")
+    # The target layout loaded exactly the saved parameters ...
+    saved = load_module_state(checkpoint)
+    for name, tensor in resumed["initial_params"].items():
+        assert torch.equal(saved[name], tensor), name
+    # ... and the optimizer state with them: the continued training is the uninterrupted one up to rounding.
+    losses, params = _differences(result, resumed)
+    print(f"{source} -> {target}: losses max rel {losses:.2e}, params max rel {params:.2e}")
+    assert losses <= 1e-5 and params <= 1e-5
+
+
+
+def test_checkpoint_of_another_model_is_refused_with_the_key_lists(uninterrupted, tmp_path: Path) -> None:
+    _, checkpoint = uninterrupted("dp2_tp2")
+    with pytest.raises(ScriptError, match=r"does not match the model: missing keys \['model.layers.0.attention"
+                                          r".*unexpected keys \['model.blocks.0.attn.proj.bias'"):
+        run_script(["--model", "llama", *CHECKPOINTED_LAYOUTS["dp2_tp2"], "--ckpt-path", checkpoint, "--out", tmp_path / "x.pt"])
+
+
+def test_truncated_shard_is_reported_on_every_rank_and_left_untouched(uninterrupted, tmp_path: Path) -> None:
+    _, checkpoint = uninterrupted("dp2_tp2")
+    damaged = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, damaged)
+    shard = damaged / "__3_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = {p.name: p.read_bytes() for p in damaged.iterdir()}
+    with pytest.raises(ScriptError, match=r"ranks \[0, 1, 2, 3\] failed") as failure:
+        _resume("dp2_tp2", damaged, tmp_path / "x.pt")
+    assert str(failure.value).count("is incomplete or corrupted") >= 1
+    for rank in range(4):
+        log = (tmp_path / f"x.rank{rank}.log").read_text()
+        assert f"Could not read the checkpoint {damaged}" in log, rank
+    assert {p.name: p.read_bytes() for p in damaged.iterdir()} == before
+
+
+# ---------------------------------------------------------------------------------------------------- crashes
+#: Two ranks, 10 steps: checkpoints at steps 4 and 8 (epoch ends), each with ModelCheckpoint's last.ckpt.
+CRASH_RUN = ["--model", "gpt", "--layers", CHECKPOINTED_LAYERS, "--dp", 2, "--devices", 2, "--steps", 10]
+
+
+def _killed(args: list, kill: str, out: Path) -> float:
+    """Run with ``--kill``; return how long the surviving rank took to exit after the kill."""
+    rank = kill.split(":")[0]
+    with pytest.raises(ScriptError, match=r"ranks \[.*\] failed"):
+        run_script([*args, "--kill", kill, "--out", out])
+    exited = time.time()
+    killed_log = out.with_name(f"{out.stem}.rank{rank}.log").read_text()
+    return exited - float(re.search(r"kill switch: SIGKILL at ([\d.]+)", killed_log).group(1))
+
+
+def test_rank_killed_mid_training_ends_the_job_and_last_resumes(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    args = [*CRASH_RUN, "--checkpoint-dir", folder]
+    survivors_s = _killed(args, "1:step:6", tmp_path / "killed.pt")
+    print(f"survivors exited {survivors_s:.1f} s after the kill")
+    assert survivors_s < 60  # gloo sees the closed connection at once; the process-group timeout bounds the rest
+    resumed = run_script([*args, "--ckpt-path", "last", "--out", tmp_path / "resumed.pt"])
+    assert resumed["resumed_from"] == str(folder / "last.ckpt")
+    assert len(resumed["losses"]) == (10 - 4) * 2 and resumed["global_step"] == 10  # lost only steps 5 and 6
+
+
+def test_rank_killed_mid_save_leaves_no_checkpoint_that_looks_complete(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    args = [*CRASH_RUN, "--checkpoint-dir", folder]
+    # Saves: step 4 -> epoch=0-step=4.ckpt, last.ckpt; step 8 -> epoch=1-step=8.ckpt, where rank 1 dies.
+    _killed(args, "1:save:3", tmp_path / "killed.pt")
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt.partial", "last.ckpt"]
+    assert not (folder / "epoch=1-step=8.ckpt.partial" / "meta.pt").exists()
+    resumed = run_script([*args, "--ckpt-path", "last", "--out", tmp_path / "resumed.pt"])
+    assert resumed["resumed_from"] == str(folder / "last.ckpt")
+    assert len(resumed["losses"]) == (10 - 4) * 2
+    # The resumed run saved again at step 8, over the debris of the crashed save.
+    assert (folder / "epoch=1-step=8.ckpt" / "meta.pt").is_file()
+    assert not (folder / "epoch=1-step=8.ckpt.partial").exists()

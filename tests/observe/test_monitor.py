@@ -1,0 +1,159 @@
+"""``ParallelMonitor``: what a dp2 × tp2 × pp2 run logs to TensorBoard, checked against the single-process run.
+
+The 8-rank run is the shared 3D GPT run of ``tests/conftest.py::uninterrupted`` (it logs to TensorBoard, so the
+strategy adds its monitor; that run's losses and parameters are also checked against the reference elsewhere, so
+the monitor demonstrably changes no number). Every schedule's bubble and FLOPs are checked in
+``tests/pipeline/test_pipeline.py`` on the pp=2 runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_hybrid import HybridStrategy, ParallelMonitor
+from lightning_hybrid.observe.monitor import default_batch_tokens
+from tests.conftest import CHECKPOINTED_LAYERS, ReferenceFn
+from tests.equivalence import ACCUMULATE_GRAD_BATCHES
+from tests.helpers import scalars
+from tests.models import default_config
+
+FLOAT_BYTES = 4
+
+
+def images(folder: Path) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"images": 0})
+    events.Reload()
+    return [image.step for image in events.Images("pipeline/timeline")]
+
+
+# ----------------------------------------------------------------------------------------------- options
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"log_every_n_steps": 0}, "log_every_n_steps=0"),
+        ({"timeline_every_n_steps": True}, "timeline_every_n_steps=True"),
+        ({"peak_flops": -1.0}, "peak_flops=-1.0"),
+    ],
+)
+def test_bad_monitor_options_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelMonitor(**kwargs)
+
+
+def test_strategy_refuses_a_monitor_that_is_not_one() -> None:
+    with pytest.raises(ValueError, match=r"monitor='tensorboard'.*ParallelMonitor"):
+        HybridStrategy(monitor="tensorboard")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("monitor", "logger", "progress_bar", "added"),
+    [(True, True, False, True), (True, False, True, True), (True, False, False, False), (False, True, True, False)],
+)
+def test_monitor_is_added_when_something_shows_it(
+    monitor: bool, logger: bool, progress_bar: bool, added: bool, tmp_path: Path
+) -> None:
+    strategy = HybridStrategy(monitor=monitor)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, enable_progress_bar=progress_bar,
+                      logger=TensorBoardLogger(tmp_path) if logger else False, enable_checkpointing=False)
+    strategy._add_monitor(trainer)
+    assert sum(isinstance(c, ParallelMonitor) for c in trainer.callbacks) == int(added)
+
+
+def test_a_configured_monitor_is_used_as_given(tmp_path: Path) -> None:
+    monitor = ParallelMonitor(peak_flops=1e12)
+    strategy = HybridStrategy(monitor=monitor)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False)
+    strategy._add_monitor(trainer)
+    assert [c for c in trainer.callbacks if isinstance(c, ParallelMonitor)] == [monitor]
+
+
+def test_tokens_are_the_token_ids_of_the_batch() -> None:
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    assert default_batch_tokens((ids, ids)) == 64
+    assert default_batch_tokens({"pixels": torch.zeros(4, 3, 8, 8)}) == 0
+
+
+# ------------------------------------------------------------------------------------------ the 3D run
+@pytest.fixture(scope="module")
+def logged_3d(uninterrupted, reference_run: ReferenceFn) -> tuple[dict, dict, Path, dict]:
+    result, _ = uninterrupted("dp2_tp2_pp2")
+    reference = reference_run("gpt", 2, CHECKPOINTED_LAYERS)
+    folder = result["tensorboard"]
+    return scalars(folder / "version_0"), reference, folder, result
+
+
+@pytest.mark.slow
+def test_model_flops_and_grad_norm_equal_the_single_process_run(logged_3d) -> None:
+    logged, reference, _, _ = logged_3d
+    # Summed over 8 ranks (DTensor shares, the tp-replicated LM head counted once, stand-ins not at all) = torch's
+    # FlopCounterMode on the whole single-process model, same batch.
+    assert reference["model_flops"] > 0
+    assert {value for _, value in logged["flops/model_flops_per_batch"]} == {reference["model_flops"]}
+    # Logged at optimizer step S (1-based): the norm before clipping of that step, over all meshes and stages.
+    norms = dict(logged["grad_norm"])
+    assert sorted(norms) == list(range(1, 7))
+    for step, norm in norms.items():
+        assert norm == pytest.approx(reference["grad_norms"][step - 1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_throughput_counts_each_data_parallel_replica_once(logged_3d) -> None:
+    logged, _, _, result = logged_3d
+    global_batch = result["args"]["global_batch"]  # 2 replicas × 4 samples; the 4 tp × pp ranks of one share them
+    seq_len = default_config("gpt")["seq_len"]
+    for (_, samples), (_, tokens), (_, step_time) in zip(
+        logged["throughput/samples_per_sec"], logged["throughput/tokens_per_sec"], logged["throughput/step_time_sec"]
+    ):
+        assert samples * step_time == pytest.approx(global_batch)
+        assert tokens * step_time == pytest.approx(global_batch * seq_len)
+
+
+@pytest.mark.slow
+def test_communication_volume_matches_the_layout(logged_3d) -> None:
+    logged, _, _, result = logged_3d
+    config = default_config("gpt")
+    per_replica_batch = result["args"]["global_batch"] // 2
+    activation = per_replica_batch * config["seq_len"] * config["embed_dim"] * FLOAT_BYTES  # all microbatches
+    comm = {tag.split("/")[-1]: values[0][1] for tag, values in logged.items() if tag.startswith("comm/bytes")}
+    # Pipeline: each microbatch's activation forward (stage 0) or its gradient backward (stage 1), nothing else.
+    assert comm["send"] == comm["recv"] == activation
+    # Tensor parallel (Megatron): 2 all-reduces of the activation per block forward, 2 backward; 2 blocks per
+    # stage. Beyond that only scalars: the loss and gradient-norm reductions of this step (< 1 KiB).
+    megatron = 4 * (CHECKPOINTED_LAYERS // 2) * activation
+    assert megatron <= comm["all_reduce"] < megatron + 1024
+    # FSDP2 over dp=2: one reduce-scatter of the stage's (tp-local) gradients per step = 2 × the rank's shard.
+    assert comm["reduce_scatter"] == 2 * max(result["rank_local_parameter_bytes"])
+    assert comm["all_gather"] >= 2 * max(result["rank_local_parameter_bytes"])
+    assert 0 < logged["comm/share_of_step"][0][1] < 1
+
+
+@pytest.mark.slow
+def test_memory_and_bubble_are_logged_per_rank(logged_3d) -> None:
+    logged, _, _, _ = logged_3d
+    for (_, low), (_, high), (_, rank) in zip(
+        logged["memory/peak_gib_min"], logged["memory/peak_gib_max"], logged["memory/peak_max_rank"]
+    ):
+        assert 0 < low <= high and rank in range(8)
+    assert all(value == pytest.approx(1 / 3) for _, value in logged["pipeline/bubble_theory"])  # 1F1B, p=2, m=2
+    for _, bubble in logged["pipeline/bubble_rank_0"] + logged["pipeline/bubble_rank_1"]:
+        assert 0 < bubble < 1
+
+
+@pytest.mark.slow
+def test_timeline_images_and_chrome_traces_every_4_batches(logged_3d) -> None:
+    _, _, folder, _ = logged_3d
+    batches = 6 * ACCUMULATE_GRAD_BATCHES
+    optimizer_steps_at = [batch // ACCUMULATE_GRAD_BATCHES for batch in range(4, batches + 1, 4)]
+    assert images(folder / "version_0") == optimizer_steps_at == [2, 4, 6]
+    for step in optimizer_steps_at:
+        events = json.loads((folder / "traces" / f"step_{step}.json").read_text())["traceEvents"]
+        actions = sorted((e["tid"], e["name"]) for e in events if e["ph"] == "X")
+        assert actions == [(0, "B0"), (0, "B1"), (0, "F0"), (0, "F1"), (1, "B0"), (1, "B1"), (1, "F0"), (1, "F1")]

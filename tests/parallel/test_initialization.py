@@ -1,0 +1,82 @@
+"""Meta-device models: each rank materializes only its shards, and the values equal a single-device
+initialization with the same seed (``lightning_hybrid.parallel.initialization``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hybrid.parallel.initialization import init_weights, materialize_meta_module, module_seed
+from tests.conftest import META_INIT_LAYERS, ReferenceFn
+from tests.helpers import assert_equivalent
+from tests.models import GPTConfig, LlamaConfig, TinyGPT, TinyLlama
+
+RTOL = 1e-5
+
+
+def _meta_gpt(layers: int) -> nn.Module:
+    with torch.device("meta"):
+        return TinyGPT(GPTConfig(num_layers=layers))
+
+
+def test_a_module_value_depends_on_the_seed_and_its_name_only() -> None:
+    small, large = _meta_gpt(2), _meta_gpt(4)
+    assert materialize_meta_module(small, "cpu", seed=7) and materialize_meta_module(large, "cpu", seed=7)
+    # Two more blocks exist in `large` (and are initialized too), yet the shared modules got the same values.
+    for name, tensor in small.state_dict().items():
+        torch.testing.assert_close(large.state_dict()[name], tensor, rtol=0, atol=0)
+    # Distinct modules of the same shape get distinct draws, and another seed gives other values.
+    assert not torch.equal(large.blocks[0].attn.qkv.weight, large.blocks[1].attn.qkv.weight)
+    other = _meta_gpt(2)
+    materialize_meta_module(other, "cpu", seed=8)
+    assert not torch.equal(other.blocks[0].attn.qkv.weight, small.blocks[0].attn.qkv.weight)
+    assert module_seed(7, "blocks.0.attn.qkv") != module_seed(7, "blocks.1.attn.qkv")
+
+
+def test_initialization_follows_each_modules_reset_parameters() -> None:
+    model = _meta_gpt(2)
+    materialize_meta_module(model, "cpu", seed=3)
+    qkv = model.blocks[0].attn.qkv
+    bound = 1 / qkv.in_features**0.5  # nn.Linear's default: kaiming-uniform weight and bias within ±1/sqrt(fan_in)
+    assert qkv.weight.abs().max() <= bound and qkv.bias.abs().max() <= bound
+    assert qkv.weight.std() > bound / 2  # really drawn, not left at zeros
+    torch.testing.assert_close(model.ln_f.weight, torch.ones(32))  # LayerNorm.reset_parameters: ones
+    # The same draw as running the module's own reset_parameters under its seed.
+    torch.manual_seed(module_seed(3, "blocks.0.attn.qkv"))
+    expected = nn.Linear(32, 96)
+    torch.testing.assert_close(qkv.weight, expected.weight, rtol=0, atol=0)
+
+
+def test_eager_models_are_left_alone() -> None:
+    model = TinyGPT(GPTConfig())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not materialize_meta_module(model, "cpu", seed=3)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_module_without_reset_parameters_is_named_in_the_error() -> None:
+    with torch.device("meta"):
+        model = TinyLlama(LlamaConfig())
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"RMSNorm hold\(s\) parameters or buffers and define\(s\) no reset_parameters"):
+        init_weights(model, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "dp_size"), [("dp2_tp2", 2), ("tp2_pp2", 1)])
+def test_meta_model_materialized_per_rank_equals_single_device_init(
+    layout: str, dp_size: int, reference_run: ReferenceFn, meta_init_runs
+) -> None:
+    reference = reference_run("gpt", dp_size, META_INIT_LAYERS, "per_module")
+    model_bytes = sum(t.numel() * t.element_size() for t in reference["initial_params"].values())
+    for result in meta_init_runs(layout):
+        # No rank holds the whole model: 4 ranks split it 4 ways (dp × tp, or tp × pp), up to replicated norm
+        # weights, FSDP padding and uneven stages.
+        assert max(result["rank_local_parameter_bytes"]) < 0.3 * model_bytes, result["rank_local_parameter_bytes"]
+        # Bit-identical initial values on every shard (tensor-parallel fused qkv, FSDP shards, pipeline stages) ...
+        assert result["initial_params"].keys() == reference["initial_params"].keys()
+        for name, tensor in reference["initial_params"].items():
+            torch.testing.assert_close(result["initial_params"][name], tensor, rtol=0, atol=0, msg=name)
+        # ... and the same training from there.
+        assert_equivalent(reference, result, rtol=RTOL)

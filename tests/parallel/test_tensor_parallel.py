@@ -1,0 +1,346 @@
+"""The tensor-parallel planner's decisions on blocks of many styles, and its error messages.
+
+Single-process tests check what the planner *decides* from a trace; the spawned two-rank tests check that the
+applied plan computes the same outputs and gradients as the unsharded block, and that a plan which cannot work
+is refused at the check instead of training to wrong numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_hybrid.parallel.dataflow import trace_block
+from lightning_hybrid.parallel.tp_plan import plan_block, resolve_overrides
+from tests import block_zoo
+from tests.helpers import free_port
+from tests.models import GPTConfig, GPTBlock, LlamaBlock, LlamaConfig, rope_tables
+
+
+def _first_choice(block: nn.Module, *args: torch.Tensor, tp: int = 2, overrides: dict | None = None) -> list:
+    trace = trace_block(block, args, {})
+    _, candidates = plan_block(block, trace, tp, overrides)
+    return [options[0] for options in candidates]
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 8, block_zoo.DIM)
+
+
+def test_gpt_block_fused_qkv_gets_strided_whole_heads() -> None:
+    block = GPTBlock(GPTConfig())
+    attention, mlp = _first_choice(block, torch.randn(2, 8, 32))
+    assert attention.columns == {"attn.qkv": attention.columns["attn.qkv"]}
+    assert attention.columns["attn.qkv"].split_factor == 3
+    assert attention.rows == ["attn.proj"]
+    assert sorted(attention.scaled_attributes) == [("attn", "embed_dim"), ("attn", "num_heads")]
+    assert list(mlp.columns) == ["mlp.fc_in"] and mlp.rows == ["mlp.fc_out"]
+    assert mlp.columns["mlp.fc_in"].split_factor == 1 and mlp.scaled_attributes == []
+
+
+def test_llama_block_pairs_separate_projections_and_scales_both_head_counts() -> None:
+    config = LlamaConfig()
+    block = LlamaBlock(config)
+    rope = rope_tables(8, config.dim // config.n_heads, config.rope_theta)
+    attention, mlp = _first_choice(block, torch.randn(2, 8, config.dim), rope)
+    assert list(attention.columns) == ["attention.wq", "attention.wk", "attention.wv"]
+    assert all(shard.split_factor == 1 for shard in attention.columns.values())
+    assert attention.rows == ["attention.wo"]
+    # head_dim must stay: it is the size of one head, not a count of them.
+    assert sorted(attention.scaled_attributes) == [("attention", "n_heads"), ("attention", "n_kv_heads")]
+    assert list(mlp.columns) == ["feed_forward.w1", "feed_forward.w3"] and mlp.rows == ["feed_forward.w2"]
+
+
+def test_timm_reshape_into_three_by_heads_is_strided_by_three() -> None:
+    attention, _ = _first_choice(block_zoo.build("timm"), _x())
+    assert attention.columns["attn.qkv"].split_factor == 3
+    assert attention.scaled_attributes == [("attn", "num_heads")]
+
+
+def test_config_object_attributes_are_found() -> None:
+    attention, _ = _first_choice(block_zoo.build("litgpt"), _x())
+    assert attention.columns["attn.attn"].split_factor == 3
+    assert ("attn.config", "n_head") in attention.scaled_attributes
+    assert ("attn.config", "head_size") not in attention.scaled_attributes
+
+
+def test_hugging_face_style_pairs_projections_and_offers_leaving_group_counts_alone() -> None:
+    block = block_zoo.build("hf")
+    _, candidates = plan_block(block, trace_block(block, (_x(),), {}), 2)
+    attention = candidates[0]
+    assert list(attention[0].columns) == ["attn.q_proj", "attn.k_proj", "attn.v_proj"]
+    assert attention[0].rows == ["attn.o_proj"]
+    # num_key_value_groups (2) equals the kv head count (2) by value: both "rescale" and "keep" get tried.
+    assert [group.scaled_attributes for group in attention] == [[("attn", "num_key_value_groups")], []]
+
+
+def test_parallel_attention_and_mlp_block() -> None:
+    attention, mlp = _first_choice(block_zoo.build("parallel"), _x())
+    assert attention.rows == ["attn.proj"] and mlp.rows == ["mlp.down"]
+
+
+def test_third_linear_of_a_chain_stays_whole() -> None:
+    _, mlp = _first_choice(block_zoo.build("three_layer_mlp"), _x())
+    assert list(mlp.columns) == ["mlp.up"] and mlp.rows == ["mlp.mid"]
+
+
+def test_user_override_replicate_removes_a_pair() -> None:
+    groups = _first_choice(block_zoo.build("timm"), _x(), overrides={"attn.qkv": "replicate", "attn.proj": "replicate"})
+    assert [group.rows for group in groups] == [["mlp.down"]]
+
+
+def test_matrix_parameter_outside_linear_is_refused_with_the_plan_entry_that_fixes_it() -> None:
+    with pytest.raises(ValueError, match=r"cannot shard Conv1D 'mlp.c_fc'.*tp_plan=\{'\*\.mlp\.c_fc': 'replicate'\}"):
+        _first_choice(block_zoo.build("conv1d"), _x())
+
+
+def test_tp_not_dividing_heads_names_the_layer_and_the_heads() -> None:
+    with pytest.raises(ValueError, match=r"tp=8 does not divide the layout of 'attn.qkv'.*4 × 8"):
+        _first_choice(block_zoo.build("timm"), _x(), tp=8)
+
+
+def test_tp_not_dividing_mlp_width() -> None:
+    block = block_zoo.SequentialBlock(block_zoo.HFAttention(), block_zoo.GeluMLP())
+    block.mlp.up, block.mlp.down = nn.Linear(32, 36), nn.Linear(36, 32)
+    with pytest.raises(ValueError, match=r"tp=8 does not divide the layout of 'attn.q_proj'"):
+        _first_choice(block, _x(), tp=8)
+    with pytest.raises(ValueError, match=r"'mlp.up': it has 36 output features"):
+        _first_choice(block, _x(), tp=8, overrides={f"attn.{n}": "replicate" for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+
+
+def test_fused_projection_with_unequal_pieces_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"unequal pieces \[32, 16, 16\].*'\*\.attn\.qkv': 'replicate'"):
+        _first_choice(block_zoo.build("fused_gqa"), _x())
+
+
+def test_plan_patterns_must_match_and_name_a_style() -> None:
+    names = ["model", "model.blocks.0.attn.qkv", "model.blocks.1.attn.qkv"]
+    assert resolve_overrides({"model.blocks.*.attn.qkv": "replicate"}, names) == {
+        "model.blocks.0.attn.qkv": "replicate", "model.blocks.1.attn.qkv": "replicate"}
+    with pytest.raises(ValueError, match="matches no module"):
+        resolve_overrides({"model.layers.*.wq": "colwise"}, names)
+    with pytest.raises(ValueError, match="is not a style: use one of colwise, rowwise, replicate"):
+        resolve_overrides({"model.blocks.*.attn.qkv": "columnwise"}, names)
+
+
+# ------------------------------------------------------------------------------------------- two-rank checks
+def _sharded_vs_unsharded(rank: int, port: int, style: str, results: dict, tp_plan: dict) -> None:
+    """Apply the automatic plan on 2 ranks and measure output/gradient differences against the whole block."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+
+        from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        root = nn.Module()
+        root.blocks = nn.ModuleList([block_zoo.build(style)])
+        reference = copy.deepcopy(root.blocks[0])
+        x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
+        plan = apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan=tp_plan, verify=True)
+        sharded = root.blocks[0]
+        x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ref, out_tp = reference(x_ref), sharded(x_tp)
+        (out_ref.square().sum()).backward()
+        (out_tp.square().sum()).backward()
+        grad_error = 0.0
+        for (name, p_ref), (_, p_tp) in zip(reference.named_parameters(), sharded.named_parameters()):
+            grad = p_tp.grad.full_tensor() if isinstance(p_tp.grad, DTensor) else p_tp.grad
+            grad_error = max(grad_error, float((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max()))
+        sharded_params = sum(isinstance(p, DTensor) for p in sharded.parameters())
+        if rank == 0:
+            results.update(
+                output=float((out_tp - out_ref).detach().abs().max() / out_ref.abs().max()),
+                input_grad=float((x_tp.grad - x_ref.grad).abs().max() / x_ref.grad.abs().max()),
+                param_grad=grad_error,
+                sharded_params=sharded_params,
+                plan=plan,
+            )
+    finally:
+        _shut_down()
+
+
+def _shut_down() -> None:
+    # Both ranks leave together: a rank tearing gloo down while its peer still talks aborts the process.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_two_ranks(style: str, tp_plan: dict | None = None) -> dict:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_sharded_vs_unsharded, args=(free_port(), style, results, tp_plan or {}), nprocs=2)
+        return dict(results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["timm", "litgpt", "hf", "parallel", "three_layer_mlp"])
+def test_applied_plan_matches_unsharded_block_in_output_and_gradients(style: str) -> None:
+    results = _run_two_ranks(style)
+    assert results["output"] < 1e-5
+    assert results["input_grad"] < 1e-5
+    assert results["param_grad"] < 1e-5
+    assert results["sharded_params"] >= 3  # something really was sharded
+
+
+@pytest.mark.slow
+def test_user_styles_inside_blocks_win_over_the_automatic_choice() -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    # The up projection sharded with its output gathered again, so the down layer runs whole.
+    tp_plan = {"blocks.*.mlp.up": ColwiseParallel(output_layouts=Replicate()), "blocks.*.mlp.down": "replicate"}
+    results = _run_two_ranks("timm", tp_plan)
+    assert results["plan"]["blocks.*.mlp.up"] == "ColwiseParallel"
+    assert "blocks.*.mlp.down" not in results["plan"]
+    assert results["plan"]["blocks.*.attn.qkv"] == "colwise (strided x3)"
+    assert results["output"] < 1e-5 and results["param_grad"] < 1e-5
+
+
+@pytest.mark.slow
+def test_wrong_user_style_is_caught_by_the_check() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    # Sharded output fed to a whole down layer: the check must refuse it and name the user's layer.
+    tp_plan = {"blocks.*.mlp.up": ColwiseParallel(), "blocks.*.mlp.down": "replicate"}
+    with pytest.raises(Exception, match=r"full plan changes the block's output.*'mlp.up'"):
+        _run_two_ranks("timm", tp_plan)
+
+
+@pytest.mark.slow
+def test_plan_that_changes_the_output_is_refused_with_the_fix() -> None:
+    # nanoGPT derives the head size from the input width, which stays global: no layout of c_attn can work.
+    with pytest.raises(Exception, match=r"plan check failed for SequentialBlock.*'blocks\.\*\.attn\.c_attn': 'replicate'"):
+        _run_two_ranks("nanogpt")
+
+
+def _plan_on_meta(rank: int, port: int, style: str, results: dict) -> None:
+    """Plan and check a block that only exists on the meta device (the check materializes a copy of it)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        root = nn.Module()
+        with torch.device("meta"):
+            root.blocks = nn.ModuleList([block_zoo.build(style)])
+            x = torch.empty(2, 8, block_zoo.DIM)
+        plan = apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan={}, verify=True)
+        if rank == 0:
+            results.update(plan=plan, still_meta=all(p.is_meta for p in root.blocks.parameters()))
+    finally:
+        _shut_down()
+
+
+@pytest.mark.slow
+def test_plan_check_works_for_a_meta_device_model() -> None:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_plan_on_meta, args=(free_port(), "timm", results), nprocs=2)
+        results = dict(results)
+    assert results["still_meta"]  # nothing but the checked copy was materialized
+    assert results["plan"]["blocks.*.attn.qkv"] == "colwise (strided x3)"
+    assert results["plan"]["blocks.*.attn.num_heads"] == "÷tp"
+    assert results["plan"]["blocks.*.mlp.down"] == "rowwise"
+
+
+def test_plan_entries_inside_blocks_must_cover_every_block() -> None:
+    from lightning_hybrid.parallel.tp_plan import _per_block_overrides
+
+    overrides = {"blocks.0.attn.qkv": "replicate", "blocks.1.attn.qkv": "replicate", "head": "colwise"}
+    assert _per_block_overrides(overrides, "blocks", 2) == {"attn.qkv": "replicate"}
+    with pytest.raises(ValueError, match=r"must treat every block alike.*'blocks\.\*\.attn\.qkv'"):
+        _per_block_overrides({"blocks.1.attn.qkv": "replicate"}, "blocks", 2)
+
+
+def test_tp_not_dividing_kv_heads_names_the_key_projection() -> None:
+    config = LlamaConfig()  # 4 query heads, 2 key/value heads
+    block = LlamaBlock(config)
+    rope = rope_tables(8, config.dim // config.n_heads, config.rope_theta)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the layout of 'attention.wk'.*2 × 8"):
+        _first_choice(block, torch.randn(2, 8, config.dim), rope, tp=4)
+
+
+# ------------------------------------------------------------------------------- third-party code, unmodified
+def _hugging_face_model(name: str) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, num_hidden_layers=2, use_cache=False)
+    if name == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, **common)
+        return transformers.LlamaForCausalLM(config)
+    if name == "qwen2":  # q/k/v projections with bias
+        config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, **common)
+        return transformers.Qwen2ForCausalLM(config)
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16, **common)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _hugging_face_vs_unsharded(rank: int, port: int, name: str, tp_plan: dict, results: dict) -> None:
+    """Shard a whole Hugging Face model's blocks on 2 ranks; compare logits and gradients with the original."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+
+        from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+        from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        model = _hugging_face_model(name)
+        reference = copy.deepcopy(model)
+        idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        path, blocks = find_block_list(model)
+        call = capture_block_call(blocks[0], lambda: model(idx))
+        plan = apply_tensor_parallel(model, path, blocks, call, mesh, tp_plan=tp_plan, verify=True)
+        out_ref, out_tp = reference(idx).logits, model(idx).logits
+        out_ref.square().mean().backward()
+        out_tp.square().mean().backward()
+        grad_error = 0.0
+        for (_, p_ref), (_, p_tp) in zip(reference.named_parameters(), model.named_parameters()):
+            grad = p_tp.grad.full_tensor() if isinstance(p_tp.grad, DTensor) else p_tp.grad
+            grad_error = max(grad_error, float((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max()))
+        if rank == 0:
+            results.update(plan=plan, output=float((out_tp - out_ref).detach().abs().max() / out_ref.abs().max()),
+                           param_grad=grad_error)
+    finally:
+        _shut_down()
+
+
+def _run_hugging_face(name: str, tp_plan: dict | None = None) -> dict:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_hugging_face_vs_unsharded, args=(free_port(), name, tp_plan or {}, results), nprocs=2)
+        return dict(results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_hugging_face_models_are_planned_unmodified(name: str) -> None:
+    results = _run_hugging_face(name)
+    plan = results["plan"]
+    assert [plan[f"model.layers.*.self_attn.{p}_proj"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+    assert [plan[f"model.layers.*.mlp.{p}_proj"] for p in ("gate", "up", "down")] == ["colwise"] * 2 + ["rowwise"]
+    assert results["output"] < 1e-5 and results["param_grad"] < 1e-5
+
+
+@pytest.mark.slow
+def test_gpt2_conv1d_layers_are_refused_with_the_entries_to_add() -> None:
+    with pytest.raises(Exception, match=r"cannot shard Conv1D 'attn.c_attn'.*tp_plan=\{'\*\.attn\.c_attn': 'replicate'\}"):
+        _run_hugging_face("gpt2")

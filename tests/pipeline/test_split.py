@@ -1,0 +1,115 @@
+"""Stage splitting: tracing a step, balancing blocks by cost, placing modules outside the blocks, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hybrid.parallel.blocks import find_block_list
+from lightning_hybrid.pipeline.semantics import muted_logs
+from lightning_hybrid.pipeline.split import AFTER, BEFORE, balanced_split, plan_split, trace_step
+from tests.models import build_module
+
+
+def _trace(module: nn.Module):
+    path, blocks = find_block_list(module)
+    inputs = torch.randint(0, 64, (2, 16))
+    with muted_logs(module):
+        trace = trace_step(module, blocks, lambda: module.training_step((inputs, inputs), 0))
+    return path, blocks, trace
+
+
+@pytest.mark.parametrize(
+    ("costs", "stages", "first", "last", "expected"),
+    [
+        ([1, 1, 1, 1], 2, 0.0, 0.0, [2, 2]),
+        ([1, 1, 1, 1], 2, 0.0, 1.5, [3, 1]),  # the head's cost moves a block to the first stage
+        ([1, 1, 1, 1], 2, 1.5, 0.0, [1, 3]),
+        ([4, 1, 1, 1, 1], 2, 0.0, 0.0, [1, 4]),
+        ([1, 1, 1, 1, 1, 1, 1, 1], 4, 0.0, 0.0, [2, 2, 2, 2]),
+        ([1, 1, 1], 3, 10.0, 10.0, [1, 1, 1]),  # every stage keeps at least one block
+        ([1, 1, 1, 1, 1], 2, 0.0, 0.0, [3, 2]),  # ties keep more blocks early
+    ],
+)
+def test_balanced_split(costs, stages, first, last, expected):
+    assert balanced_split(costs, stages, first, last) == expected
+
+
+def test_trace_places_embeddings_first_and_head_last_and_counts_block_flops():
+    module = build_module("llama", config={"n_layers": 4})
+    _, blocks, trace = _trace(module)
+    assert trace.outer_phases == {
+        "model.tok_embeddings": {BEFORE},
+        "model.norm": {AFTER},
+        "model.output": {AFTER},
+    }
+    # One block's forward FLOPs, counted by hand (2 FLOPs per multiply-add): q, k, v, o projections and the SwiGLU
+    # MLP. Attention itself adds nothing here: torch's FLOP counter has no formula for the CPU flash-attention
+    # kernel that scaled_dot_product_attention picks on this machine.
+    tokens, dim, kv_dim, ffn = 2 * 16, 32, 16, 64
+    projections = 2 * tokens * (dim * dim + 2 * dim * kv_dim + dim * dim)
+    mlp = 2 * tokens * 3 * dim * ffn
+    assert trace.block_flops == [projections + mlp] * 4
+    assert trace.flops_before == 0  # an embedding lookup multiplies nothing
+    assert trace.flops_after == 2 * tokens * dim * 64  # the output projection to the 64-token vocabulary
+
+
+def test_plan_split_assigns_every_unit_once():
+    module = build_module("gpt", config={"num_layers": 4})
+    path, blocks, trace = _trace(module)
+    split = plan_split(module, path, blocks, trace, num_stages=2)
+    assert split.blocks_per_stage == [2, 2]
+    stages = {unit.name: unit.stage for unit in split.units}
+    assert stages == {
+        "model.blocks.0": 0, "model.blocks.1": 0, "model.blocks.2": 1, "model.blocks.3": 1,
+        "model.tok_emb": 0, "model.pos_emb": 0, "model.ln_f": 1, "model.head": 1,
+    }
+    owned = {name for name, _ in module.named_parameters()}
+    covered = {f"{unit.name}.{n}" for unit in split.units for n, _ in module.get_submodule(unit.name).named_parameters()}
+    assert covered == owned
+
+
+def test_explicit_split_overrides_and_is_checked():
+    module = build_module("gpt", config={"num_layers": 4})
+    path, blocks, trace = _trace(module)
+    assert plan_split(module, path, blocks, trace, 2, blocks_per_stage=[3, 1]).blocks_per_stage == [3, 1]
+    for bad in ([2, 1], [4, 0], [1, 1, 2]):
+        with pytest.raises(ValueError, match=r"pp_split=.*each at least 1, adding up to the 4 blocks"):
+            plan_split(module, path, blocks, trace, 2, blocks_per_stage=bad)
+
+
+def test_more_stages_than_blocks_is_refused():
+    module = build_module("gpt")  # 2 blocks
+    path, blocks, trace = _trace(module)
+    with pytest.raises(ValueError, match=r"4 pipeline stages .* need at least 4 blocks, but 'model.blocks' has 2"):
+        plan_split(module, path, blocks, trace, num_stages=4)
+
+
+def test_weight_tied_across_the_trunk_is_refused():
+    module = build_module("gpt", config={"num_layers": 4})
+    module.model.head.weight = module.model.tok_emb.weight  # GPT-2 style tying
+    path, blocks, trace = _trace(module)
+    with pytest.raises(ValueError, match=r"'model\.(tok_emb|head)' is used after the blocks and before the blocks"):
+        plan_split(module, path, blocks, trace, num_stages=2)
+
+
+def test_parameter_held_next_to_the_blocks_is_refused():
+    module = build_module("gpt", config={"num_layers": 4})
+    module.model.scale = nn.Parameter(torch.ones(()))
+    path, blocks, trace = _trace(module)
+    with pytest.raises(ValueError, match=r"\['model.scale'\] are held directly by a module that also contains"):
+        plan_split(module, path, blocks, trace, num_stages=2)
+
+
+def test_block_called_twice_is_refused():
+    module = build_module("gpt", config={"num_layers": 2})
+    inner = module.model.forward
+
+    def twice(idx):  # ALBERT-style weight sharing: the trunk runs twice
+        module.model.blocks[0](module.model.tok_emb(idx))
+        return inner(idx)
+
+    module.model.forward = twice
+    with pytest.raises(ValueError, match=r"each block must run exactly once per step.*\{0: 2\}"):
+        _trace(module)
