@@ -12,10 +12,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tests.equivalence import sweep_out
 
@@ -254,3 +257,27 @@ def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def on_two_ranks(worker: Callable[..., None], *args: Any) -> dict[str, Any]:
+    """Run ``worker(rank, results, *args)`` in two spawned processes joined by a gloo process group, and return
+    what they put into the shared dict ``results``. ``worker`` must be a module-level function (it is pickled)."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_two_rank_process, args=(free_port(), worker, args, results), nprocs=2)
+        return dict(results)
+
+
+def _two_rank_process(rank: int, port: int, worker: Callable[..., None], args: tuple, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        worker(rank, results, *args)
+    finally:
+        dist.barrier()  # leave together: gloo aborts a process whose peer tears down mid-conversation
+        dist.destroy_process_group()
+    # The work is done and reported: skip the interpreter's teardown, in which gloo's threads occasionally abort
+    # the process ("terminate called without an active exception"), which would fail a test that passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

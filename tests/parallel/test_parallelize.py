@@ -4,20 +4,17 @@ parallelizes a plain module, and the parallel module's loss and gradients equal 
 from __future__ import annotations
 
 import copy
-import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.mesh import ParallelDims
 from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.parallel.parallelize import parallelize
-from tests.helpers import free_port
+from tests.helpers import on_two_ranks
 from tests.models import build_module
 
 #: Layouts of 2 ranks × options; each entry is run on the same model and batch.
@@ -38,43 +35,34 @@ def _loss_and_gradients(module: torch.nn.Module, tokens: torch.Tensor) -> tuple[
     return float(loss), grads
 
 
-def _parallelize_on_two_ranks(rank: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
-    try:
-        for case, (degrees, options) in CASES.items():
-            module = build_module("llama", seed=3).model  # the same weights on both ranks
-            reference = copy.deepcopy(module)
-            tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(5))
-            # Data-parallel ranks each take half the batch, as Lightning's sampler would give them.
-            local = tokens if "tp" in degrees else tokens.chunk(2)[rank]
-            dims = ParallelDims(world_size=2, **degrees)
-            mesh, data_mesh = dims.build_mesh("cpu")
-            result = parallelize(module, "layers", module.layers, mesh, dims, HybridOptions(**degrees, **options),
-                                 precision="32-true", device=torch.device("cpu"),
-                                 run_step=lambda: module(local[:, :-1]))
-            loss, grads = _loss_and_gradients(module, local)
-            losses = [None] * data_mesh.size()
-            dist.all_gather_object(losses, loss, group=data_mesh.get_group())
-            if rank == 0:
-                expected_loss, expected_grads = _loss_and_gradients(reference, tokens)
-                results[case] = dict(
-                    loss=(sum(losses) / len(losses), expected_loss),
-                    grad_diff=max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in expected_grads.items()),
-                    tp_plan=result.tp_plan, sharded=result.sharded,
-                    checkpointed=type(module.layers[0]).__name__,
-                )
-    finally:
-        dist.barrier()  # leave together: gloo aborts a process whose peer tears down mid-conversation
-        dist.destroy_process_group()
+def _parallelize_on_two_ranks(rank: int, results: dict) -> None:
+    for case, (degrees, options) in CASES.items():
+        module = build_module("llama", seed=3).model  # the same weights on both ranks
+        reference = copy.deepcopy(module)
+        tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(5))
+        # Data-parallel ranks each take half the batch, as Lightning's sampler would give them.
+        local = tokens if "tp" in degrees else tokens.chunk(2)[rank]
+        dims = ParallelDims(world_size=2, **degrees)
+        mesh, data_mesh = dims.build_mesh("cpu")
+        result = parallelize(module, "layers", module.layers, mesh, dims, HybridOptions(**degrees, **options),
+                             precision="32-true", device=torch.device("cpu"),
+                             run_step=lambda: module(local[:, :-1]))
+        loss, grads = _loss_and_gradients(module, local)
+        losses = [None] * data_mesh.size()
+        dist.all_gather_object(losses, loss, group=data_mesh.get_group())
+        if rank == 0:
+            expected_loss, expected_grads = _loss_and_gradients(reference, tokens)
+            results[case] = dict(
+                loss=(sum(losses) / len(losses), expected_loss),
+                grad_diff=max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in expected_grads.items()),
+                tp_plan=result.tp_plan, sharded=result.sharded,
+                checkpointed=type(module.layers[0]).__name__,
+            )
 
 
 @pytest.mark.slow
 def test_the_driver_parallelizes_a_plain_module_to_the_same_numbers() -> None:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_parallelize_on_two_ranks, args=(free_port(), results), nprocs=2)
-        results = dict(results)
+    results = on_two_ranks(_parallelize_on_two_ranks)
     tp, dp = results["tp2_checkpointed"], results["dp2_zero2"]
     for case in (tp, dp):
         got, expected = case["loss"]

@@ -8,19 +8,15 @@ is refused at the check instead of training to wrong numbers.
 from __future__ import annotations
 
 import copy
-import os
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_hybrid.parallel.dataflow import trace_block
 from lightning_hybrid.parallel.tp_plan import plan_block, resolve_overrides
 from tests import block_zoo
-from tests.helpers import free_port
+from tests.helpers import on_two_ranks
 from tests.models import GPTConfig, GPTBlock, LlamaBlock, LlamaConfig, rope_tables
 
 
@@ -131,55 +127,41 @@ def test_plan_patterns_must_match_and_name_a_style() -> None:
 
 
 # ------------------------------------------------------------------------------------------- two-rank checks
-def _sharded_vs_unsharded(rank: int, port: int, style: str, results: dict, tp_plan: dict) -> None:
+def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict) -> None:
     """Apply the automatic plan on 2 ranks and measure output/gradient differences against the whole block."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
-        from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        root = nn.Module()
-        root.blocks = nn.ModuleList([block_zoo.build(style)])
-        reference = copy.deepcopy(root.blocks[0])
-        x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
-        plan = apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan=tp_plan, verify=True)
-        sharded = root.blocks[0]
-        x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out_ref, out_tp = reference(x_ref), sharded(x_tp)
-        (out_ref.square().sum()).backward()
-        (out_tp.square().sum()).backward()
-        grad_error = 0.0
-        for (name, p_ref), (_, p_tp) in zip(reference.named_parameters(), sharded.named_parameters()):
-            grad = p_tp.grad.full_tensor() if isinstance(p_tp.grad, DTensor) else p_tp.grad
-            grad_error = max(grad_error, float((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max()))
-        sharded_params = sum(isinstance(p, DTensor) for p in sharded.parameters())
-        if rank == 0:
-            results.update(
-                output=float((out_tp - out_ref).detach().abs().max() / out_ref.abs().max()),
-                input_grad=float((x_tp.grad - x_ref.grad).abs().max() / x_ref.grad.abs().max()),
-                param_grad=grad_error,
-                sharded_params=sharded_params,
-                plan=plan,
-            )
-    finally:
-        _shut_down()
-
-
-def _shut_down() -> None:
-    # Both ranks leave together: a rank tearing gloo down while its peer still talks aborts the process.
-    dist.barrier()
-    dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    root = nn.Module()
+    root.blocks = nn.ModuleList([block_zoo.build(style)])
+    reference = copy.deepcopy(root.blocks[0])
+    x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
+    plan = apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan=tp_plan, verify=True)
+    sharded = root.blocks[0]
+    x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref, out_tp = reference(x_ref), sharded(x_tp)
+    (out_ref.square().sum()).backward()
+    (out_tp.square().sum()).backward()
+    grad_error = 0.0
+    for (name, p_ref), (_, p_tp) in zip(reference.named_parameters(), sharded.named_parameters()):
+        grad = p_tp.grad.full_tensor() if isinstance(p_tp.grad, DTensor) else p_tp.grad
+        grad_error = max(grad_error, float((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max()))
+    sharded_params = sum(isinstance(p, DTensor) for p in sharded.parameters())
+    if rank == 0:
+        results.update(
+            output=float((out_tp - out_ref).detach().abs().max() / out_ref.abs().max()),
+            input_grad=float((x_tp.grad - x_ref.grad).abs().max() / x_ref.grad.abs().max()),
+            param_grad=grad_error,
+            sharded_params=sharded_params,
+            plan=plan,
+        )
 
 
 def _run_two_ranks(style: str, tp_plan: dict | None = None) -> dict:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_sharded_vs_unsharded, args=(free_port(), style, results, tp_plan or {}), nprocs=2)
-        return dict(results)
+    return on_two_ranks(_sharded_vs_unsharded, style, tp_plan or {})
 
 
 @pytest.mark.slow
@@ -223,33 +205,25 @@ def test_plan_that_changes_the_output_is_refused_with_the_fix() -> None:
         _run_two_ranks("nanogpt")
 
 
-def _plan_on_meta(rank: int, port: int, style: str, results: dict) -> None:
+def _plan_on_meta(rank: int, results: dict, style: str) -> None:
     """Plan and check a block that only exists on the meta device (the check materializes a copy of it)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        root = nn.Module()
-        with torch.device("meta"):
-            root.blocks = nn.ModuleList([block_zoo.build(style)])
-            x = torch.empty(2, 8, block_zoo.DIM)
-        plan = apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan={}, verify=True)
-        if rank == 0:
-            results.update(plan=plan, still_meta=all(p.is_meta for p in root.blocks.parameters()))
-    finally:
-        _shut_down()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    root = nn.Module()
+    with torch.device("meta"):
+        root.blocks = nn.ModuleList([block_zoo.build(style)])
+        x = torch.empty(2, 8, block_zoo.DIM)
+    plan = apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan={}, verify=True)
+    if rank == 0:
+        results.update(plan=plan, still_meta=all(p.is_meta for p in root.blocks.parameters()))
 
 
 @pytest.mark.slow
 def test_plan_check_works_for_a_meta_device_model() -> None:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_plan_on_meta, args=(free_port(), "timm", results), nprocs=2)
-        results = dict(results)
+    results = on_two_ranks(_plan_on_meta, "timm")
     assert results["still_meta"]  # nothing but the checked copy was materialized
     assert results["plan"]["blocks.*.attn.qkv"] == "colwise (strided x3)"
     assert results["plan"]["blocks.*.attn.num_heads"] == "÷tp"
@@ -291,43 +265,35 @@ def _hugging_face_model(name: str) -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-def _hugging_face_vs_unsharded(rank: int, port: int, name: str, tp_plan: dict, results: dict) -> None:
+def _hugging_face_vs_unsharded(rank: int, results: dict, name: str, tp_plan: dict) -> None:
     """Shard a whole Hugging Face model's blocks on 2 ranks; compare logits and gradients with the original."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
-        from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
-        from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+    from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        model = _hugging_face_model(name)
-        reference = copy.deepcopy(model)
-        idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-        path, blocks = find_block_list(model)
-        call = capture_block_call(blocks[0], lambda: model(idx))
-        plan = apply_tensor_parallel(model, path, blocks, call, mesh, tp_plan=tp_plan, verify=True)
-        out_ref, out_tp = reference(idx).logits, model(idx).logits
-        out_ref.square().mean().backward()
-        out_tp.square().mean().backward()
-        grad_error = 0.0
-        for (_, p_ref), (_, p_tp) in zip(reference.named_parameters(), model.named_parameters()):
-            grad = p_tp.grad.full_tensor() if isinstance(p_tp.grad, DTensor) else p_tp.grad
-            grad_error = max(grad_error, float((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max()))
-        if rank == 0:
-            results.update(plan=plan, output=float((out_tp - out_ref).detach().abs().max() / out_ref.abs().max()),
-                           param_grad=grad_error)
-    finally:
-        _shut_down()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = _hugging_face_model(name)
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    path, blocks = find_block_list(model)
+    call = capture_block_call(blocks[0], lambda: model(idx))
+    plan = apply_tensor_parallel(model, path, blocks, call, mesh, tp_plan=tp_plan, verify=True)
+    out_ref, out_tp = reference(idx).logits, model(idx).logits
+    out_ref.square().mean().backward()
+    out_tp.square().mean().backward()
+    grad_error = 0.0
+    for (_, p_ref), (_, p_tp) in zip(reference.named_parameters(), model.named_parameters()):
+        grad = p_tp.grad.full_tensor() if isinstance(p_tp.grad, DTensor) else p_tp.grad
+        grad_error = max(grad_error, float((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max()))
+    if rank == 0:
+        results.update(plan=plan, output=float((out_tp - out_ref).detach().abs().max() / out_ref.abs().max()),
+                       param_grad=grad_error)
 
 
 def _run_hugging_face(name: str, tp_plan: dict | None = None) -> dict:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_hugging_face_vs_unsharded, args=(free_port(), name, tp_plan or {}, results), nprocs=2)
-        return dict(results)
+    return on_two_ranks(_hugging_face_vs_unsharded, name, tp_plan or {})
 
 
 @pytest.mark.slow

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch import Trainer
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
@@ -29,7 +27,7 @@ from lightning_hybrid.plan.hardware import GIB, Cluster
 from lightning_hybrid.plan.layout import Layout
 from lightning_hybrid.plan.model import ModelShape
 from tests import block_zoo
-from tests.helpers import free_port
+from tests.helpers import on_two_ranks
 from tests.models import MODEL_NAMES, RandomTokenDataset, build_module, default_config
 
 #: Heads, key/value heads and whether the model materializes attention scores, from each test model's config.
@@ -98,20 +96,14 @@ def test_tensor_parallel_degrees_are_ruled_out_by_the_tensor_parallel_planner() 
     assert sorted(tensor_parallel_obstacles(gpt, gpt_path, gpt_call, [3, 8], whole)) == [3]
 
 
-def _obstacles_on_two_ranks(rank: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
-    try:
-        x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
-        for style, check_on in (("nanogpt", None), ("nanogpt", "cpu"), ("timm", "cpu")):
-            root = nn.Module()
-            root.blocks = nn.ModuleList([block_zoo.build(style)])
-            found = tensor_parallel_obstacles(root, "blocks", ((x,), {}), [2], {}, check_on=check_on)
-            if rank == 0:
-                results[f"{style}-{check_on}"] = found
-    finally:
-        dist.barrier()  # leave together: gloo aborts a process whose peer tears down mid-conversation
-        dist.destroy_process_group()
+def _obstacles_on_two_ranks(rank: int, results: dict) -> None:
+    x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
+    for style, check_on in (("nanogpt", None), ("nanogpt", "cpu"), ("timm", "cpu")):
+        root = nn.Module()
+        root.blocks = nn.ModuleList([block_zoo.build(style)])
+        found = tensor_parallel_obstacles(root, "blocks", ((x,), {}), [2], {}, check_on=check_on)
+        if rank == 0:
+            results[f"{style}-{check_on}"] = found
 
 
 @pytest.mark.slow
@@ -119,10 +111,7 @@ def test_the_numeric_plan_check_rules_out_what_structure_cannot() -> None:
     """nanoGPT derives the head size from the input width (C // n_head): structurally tp=2 divides everything, but
     the sharded block computes something else; the check the strategy runs at setup, run per candidate degree on a
     temporary mesh, rules tp=2 out before the layout is chosen. A timm block passes both."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_obstacles_on_two_ranks, args=(free_port(), results), nprocs=2)
-        results = dict(results)
+    results = on_two_ranks(_obstacles_on_two_ranks)
     assert results["nanogpt-None"] == {}
     assert "Tensor parallel plan check failed for SequentialBlock" in results["nanogpt-cpu"][2]
     assert results["timm-cpu"] == {}
