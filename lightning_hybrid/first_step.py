@@ -32,18 +32,26 @@ _STEPS = {
 }
 
 
-def run_first_step(trainer: Trainer, device: torch.device) -> None:
+def run_first_step(trainer: Trainer, device: torch.device, microbatches: int = 1) -> None:
     """Run the step of the trainer's current stage (fit: ``training_step``, ...) on the first batch, ``self.log``
-    muted."""
+    muted; with ``microbatches`` > 1 on the first microbatch of it (the pipeline's unit of work)."""
     module = trainer.lightning_module
     loop_name, step_name = _STEPS[trainer.state.fn]
     batch = _first_batch(first_loader(getattr(trainer, loop_name)))
+    if microbatches > 1:
+        batch = first_microbatch(batch, microbatches)
     if any(p.is_meta for p in module.parameters()):
         batch = tree_map(lambda v: v.to("meta") if isinstance(v, Tensor) else v, batch)
     else:
         batch = _on_device(trainer, module, batch, device)
     with muted_logs(module):
         getattr(module, step_name)(batch, 0)
+
+
+def first_microbatch(batch: Any, microbatches: int) -> Any:
+    """The first of ``microbatches`` parts of ``batch``, split as torch's schedules split a step's inputs: every
+    tensor along dimension 0."""
+    return tree_map(lambda v: v.tensor_split(microbatches)[0] if isinstance(v, Tensor) and v.dim() > 0 else v, batch)
 
 
 def _first_batch(loaders: Any) -> Any:

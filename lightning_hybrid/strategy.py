@@ -38,8 +38,8 @@ from lightning_hybrid.mesh import ParallelDims
 from lightning_hybrid.observe.monitor import ParallelMonitor
 from lightning_hybrid.options import Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
-from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
-from lightning_hybrid.parallel.parallelize import accept_user_parallelism, already_parallel, parallelize
+from lightning_hybrid.parallel.blocks import capture_block_call
+from lightning_hybrid.parallel.parallelize import accept_user_parallelism, already_parallel, find_blocks, parallelize
 from lightning_hybrid.parallel.precision import (
     HybridHalfPrecision,
     HybridPrecision,
@@ -221,15 +221,17 @@ class HybridStrategy(ModelParallelStrategy):
         module = self.precision_plugin.convert_module(self.lightning_module)
         if not any(p.is_meta for p in module.parameters()):
             module.to(self.root_device)
-        blocks_path, blocks = find_block_list(module, self.options.blocks)
+        blocks = find_blocks(module, self.options)
+        blocks_path = blocks.path
         block_call = self._choose_layout(trainer, module, blocks_path, blocks) if self.dims is None else None
         assert self.dims is not None
         result = parallelize(module, blocks_path, blocks, self.device_mesh, self.dims, self.options,
                              precision=str(self.precision_plugin.precision), device=self.root_device,
-                             run_step=lambda: run_first_step(trainer, self.root_device), block_call=block_call)
+                             run_step=lambda microbatches=1: run_first_step(trainer, self.root_device, microbatches),
+                             block_call=block_call)
         self.pipeline, self.tp_plan_applied = result.pipeline, result.tp_plan
         if self.pipeline is not None:
-            self.precision_plugin.pipeline_group = self.pipeline.pp_group  # type: ignore[attr-defined]
+            self.precision_plugin.pipeline = self.pipeline  # type: ignore[attr-defined]
 
     def _choose_layout(self, trainer: Trainer, module: Any, blocks_path: str, blocks: Any) -> tuple[tuple, dict]:
         """Choose the layout for tp/pp="auto" (see :mod:`lightning_hybrid.plan.auto_layout`), adopt its degrees and

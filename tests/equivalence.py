@@ -365,7 +365,7 @@ def _gather_to_rank0(value: Any) -> list[Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=ALL_MODEL_NAMES, default="gpt")
+    parser.add_argument("--model", choices=ALL_MODEL_NAMES, default="gpt", help="or per --sweep entry")
     parser.add_argument("--reference", action="store_true", help="plain single-process Lightning (devices=1)")
     parser.add_argument("--strategy", choices=("hybrid", "ddp"), default="hybrid", help="parallel mode only")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel sharding degree")
@@ -478,6 +478,11 @@ def main(argv: list[str] | None = None) -> None:
             tensorboard = args.tensorboard / str(index) if args.tensorboard else None
             train_once(args, entry, sweep_out(args.out, index), tensorboard)
     shut_down_process_group()
+    # Everything is saved: skip the interpreter's teardown, in which gloo's threads occasionally abort a finished
+    # rank ("terminate called without an active exception"), which the harness would report as a failed run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def shut_down_process_group() -> None:
@@ -489,8 +494,13 @@ def shut_down_process_group() -> None:
 
 
 def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path, tensorboard: Path | None) -> None:
-    """One fit + test + predict; rank 0 saves the result to ``out``."""
+    """One fit + test + predict; rank 0 saves the result to ``out``. A sweep entry's ``"model"`` replaces
+    ``--model`` (several zoo families in one launch); its other keys are HybridStrategy arguments."""
     start = time.perf_counter()
+    recorded_entry = sweep_entry
+    if "model" in sweep_entry:
+        sweep_entry = {k: v for k, v in sweep_entry.items() if k != "model"}
+        args = argparse.Namespace(**{**vars(args), "model": recorded_entry["model"]})
 
     config = {} if args.layers is None else {LAYERS_FIELD[args.model]: args.layers}
     module = (
@@ -582,7 +592,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             if getattr(trainer.strategy, "layout_estimate", None) else None,
             "world_size": trainer.world_size,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "sweep_entry": sweep_entry,
+            "sweep_entry": recorded_entry,
             "wall_s": wall_s,
         }
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -135,7 +135,9 @@ def _tails(logs: list[Path]) -> str:
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b| / max|a|`` in float64: one scale per tensor, so near-zero entries do not blow it up."""
+    """``max|a - b| / max|a|`` in float64: one scale per tensor, so near-zero entries do not blow it up. Complex
+    tensors (rotary tables) compare as their real and imaginary parts."""
+    a, b = (torch.view_as_real(t) if t.is_complex() else t for t in (a, b))
     a64, b64 = a.detach().double(), b.detach().double()
     if a64.numel() == 0:
         return 0.0

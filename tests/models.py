@@ -50,6 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from tests.zoo import ZOO
+
 __all__ = [
     "MODEL_NAMES",
     "GPTConfig",
@@ -72,10 +74,12 @@ MODEL_NAMES: tuple[ModelName, ...] = ("gpt", "llama")
 #: Models for pipeline parallelism only: blocks returning tuples and taking keyword arguments built outside the
 #: trunk (``tuple``), and an unmodified Hugging Face ``LlamaForCausalLM`` (``hf_llama``).
 PIPELINE_MODEL_NAMES: tuple[ModelName, ...] = ("tuple", "hf_llama")
-ALL_MODEL_NAMES: tuple[ModelName, ...] = MODEL_NAMES + PIPELINE_MODEL_NAMES
+#: These and the families of the zoo (``tests/zoo.py``).
+ALL_MODEL_NAMES: tuple[str, ...] = MODEL_NAMES + PIPELINE_MODEL_NAMES + tuple(ZOO)
 #: The config field holding each model's number of blocks.
-LAYERS_FIELD: dict[ModelName, str] = {
-    "gpt": "num_layers", "llama": "n_layers", "tuple": "num_layers", "hf_llama": "num_hidden_layers"
+LAYERS_FIELD: dict[str, str] = {
+    "gpt": "num_layers", "llama": "n_layers", "tuple": "num_layers", "hf_llama": "num_hidden_layers",
+    **{name: entry.layers_field for name, entry in ZOO.items()},
 }
 
 
@@ -454,6 +458,8 @@ class LMLightningModule(pl.LightningModule):
             return TinyLlama(LlamaConfig(**config))
         if model == "tuple":
             return TupleBlocksLM(TupleConfig(**config))
+        if model in ZOO:
+            return ZOO[model].build(config)
         return hugging_face_llama(config)
 
     def configure_model(self) -> None:
@@ -470,7 +476,7 @@ class LMLightningModule(pl.LightningModule):
 
     def forward(self, idx: Tensor) -> Tensor:
         output = self.model(idx)
-        return output.logits if self.hparams.model == "hf_llama" else output
+        return getattr(output, "logits", output)  # Hugging Face models return an output object
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, targets = batch
@@ -510,7 +516,7 @@ def build_module(model: ModelName, seed: int = 42, **kwargs: Any) -> LMLightning
 
 def default_config(model: ModelName) -> dict[str, Any]:
     """The dataclass defaults of ``model`` as a dict (handy for sizing the dataset)."""
-    if model in ("tuple", "hf_llama"):
+    if model in ("tuple", "hf_llama") or model in ZOO:
         return asdict(TupleConfig())  # same vocabulary and sequence length
     return asdict(GPTConfig() if model == "gpt" else LlamaConfig())
 

@@ -92,12 +92,12 @@ def test_block_list_is_found_by_structure_not_name() -> None:
 
 def test_block_list_errors_say_how_to_name_it() -> None:
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"no nn.ModuleList/nn.Sequential holds two or more modules of one class.*"
+    with pytest.raises(ValueError, match=r"no nn.ModuleList/nn.Sequential/nn.ModuleDict holds two or more modules of one class.*"
                                          r"HybridStrategy\(blocks='path.to.block_list'\)"):
         find_block_list(flat)
     with pytest.raises(ValueError, match=r"blocks='model.trunk'\).*has no submodule"):
         find_block_list(build_module("gpt"), "model.trunk")
-    with pytest.raises(ValueError, match=r"must name a non-empty nn.ModuleList or nn.Sequential, got LayerNorm"):
+    with pytest.raises(ValueError, match=r"must name a non-empty nn.ModuleList, nn.Sequential or nn.ModuleDict, got LayerNorm"):
         find_block_list(build_module("gpt"), "model.ln_f")
 
 

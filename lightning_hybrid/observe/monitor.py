@@ -161,8 +161,9 @@ class ParallelMonitor(pl.Callback):
         # on every rank: the counters agree).
         if batches_to_log < trainer.accumulate_grad_batches:
             pipeline = getattr(trainer.strategy, "pipeline", None)
-            group = pipeline.pp_group if pipeline is not None else None
-            self._grad_norm = float(total_grad_norm(pl_module.parameters(), pipeline_group=group))
+            group, elsewhere = (pipeline.pp_group, pipeline.counted_elsewhere()) if pipeline is not None else (None, ())
+            self._grad_norm = float(total_grad_norm(pl_module.parameters(), pipeline_group=group,
+                                                    counted_elsewhere=elsewhere))
 
     # ---------------------------------------------------------------------------------------- measurement
     def _start_measuring(self, trainer: pl.Trainer) -> None:

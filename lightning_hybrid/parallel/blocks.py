@@ -2,18 +2,18 @@
 
 Every parallelism here works block by block: tensor parallelism plans one block and repeats the plan, FSDP2
 shards each block as one unit, pipelining splits the block list into stages. Transformers keep their
-blocks in one container of same-class modules (``h``, ``layers``, ``blocks``, ``encoder.layer`` ...), so we look
-for that structure instead of a name.
+blocks in one container of same-class modules (``h``, ``layers``, ``blocks``, ``encoder.layer`` ..., a list or a
+dict keyed by layer id), so we look for that structure instead of a name.
 
 Example::
 
-    path, blocks = find_block_list(lightning_module)            # ("model.layers", ModuleList(...))
+    path, blocks = find_block_list(lightning_module)            # ("model.layers", BlockList of its blocks)
     args, kwargs = capture_block_call(blocks[0], lambda: lightning_module.training_step(batch, 0))
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -21,42 +21,73 @@ from torch import nn
 from lightning_hybrid._compat import tree_map
 
 
-def find_block_list(root: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList | nn.Sequential]:
-    """Return ``(name, container)`` of the model's repeated blocks.
+#: The containers blocks are kept in: lists (``ModuleList``, ``Sequential``) and dicts keyed by layer id
+#: (``ModuleDict``, as torchtitan's models keep them).
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
-    The container is the ``ModuleList``/``Sequential`` with the most children that all share one class (ties go
-    to the one holding more parameters). ``path`` names the container explicitly and skips the search.
+
+class BlockList(Sequence[nn.Module]):
+    """The model's repeated blocks in order: a view of the container that holds them, by position, with each
+    block's name in the model (``blocks.name(0) == "model.layers.0"``, or ``"model.layers.<key>"`` in a
+    ``ModuleDict``). Indexing reads the container each time, so a block swapped in place is what it returns."""
+
+    def __init__(self, path: str, container: nn.Module) -> None:
+        self.path = path
+        self.container = container
+        #: The blocks' names inside the container, in order.
+        self.keys = tuple(name for name, _ in container.named_children())
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> nn.Module:  # type: ignore[override]
+        return self.container.get_submodule(self.keys[index])
+
+    def name(self, index: int) -> str:
+        """The block's name in the root module."""
+        return f"{self.path}.{self.keys[index]}" if self.path else self.keys[index]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.container.parameters()
+
+
+def find_block_list(root: nn.Module, path: str | None = None) -> tuple[str, BlockList]:
+    """Return ``(name, blocks)`` of the model's repeated blocks.
+
+    The container (``ModuleList``, ``Sequential`` or ``ModuleDict``) with the most children that all share one class
+    (ties go to the one holding more parameters). ``path`` names the container explicitly and skips the search.
     """
     if path is not None:
         try:
             container = root.get_submodule(path)
         except AttributeError as error:
             raise ValueError(f"HybridStrategy(blocks={path!r}): {type(root).__name__} has no submodule {path!r}.") from error
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+        if not isinstance(container, CONTAINERS) or len(container) == 0:
             raise ValueError(
-                f"HybridStrategy(blocks={path!r}) must name a non-empty nn.ModuleList or nn.Sequential,"
-                f" got {type(container).__name__}."
+                f"HybridStrategy(blocks={path!r}) must name a non-empty nn.ModuleList, nn.Sequential or"
+                f" nn.ModuleDict, got {type(container).__name__}."
             )
-        return path, container
+        return path, BlockList(path, container)
     candidates = [
         (name, module)
         for name, module in root.named_modules()
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2 and _same_class(module)
+        if isinstance(module, CONTAINERS) and len(module) >= 2 and _same_class(module)
     ]
     if not candidates:
         containers = [f"{name} ({type(m).__name__} of {len(m)})" for name, m in root.named_modules()
-                      if isinstance(m, (nn.ModuleList, nn.Sequential))]
+                      if isinstance(m, CONTAINERS)]
         raise ValueError(
-            f"Could not find the repeated blocks of {type(root).__name__}: no nn.ModuleList/nn.Sequential holds two"
-            f" or more modules of one class (containers found: {', '.join(containers) or 'none'})."
+            f"Could not find the repeated blocks of {type(root).__name__}: no nn.ModuleList/nn.Sequential/nn.ModuleDict"
+            f" holds two or more modules of one class (containers found: {', '.join(containers) or 'none'})."
             " Pass HybridStrategy(blocks='path.to.block_list') to name the container."
         )
-    return max(candidates, key=lambda item: (len(item[1]), _parameter_count(item[1])))
+    name, container = max(candidates, key=lambda item: (len(item[1]), _parameter_count(item[1])))
+    return name, BlockList(name, container)
 
 
 def _same_class(container: nn.Module) -> bool:
-    classes = {type(child) for child in container.children()}
-    return len(classes) == 1 and any(True for _ in container[0].parameters())
+    children = list(container.children())
+    return len({type(child) for child in children}) == 1 and any(True for _ in children[0].parameters())
 
 
 def _parameter_count(module: nn.Module) -> int:

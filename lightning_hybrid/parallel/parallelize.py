@@ -28,16 +28,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims
+from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims
 from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
-from lightning_hybrid.parallel.blocks import capture_block_call
+from lightning_hybrid.parallel.blocks import BlockList, capture_block_call, find_block_list
 from lightning_hybrid.parallel.initialization import materialize_meta_module
 from lightning_hybrid.parallel.sharding import FSDPOptions, apply_fsdp, mixed_precision_policy
 from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
@@ -57,20 +57,20 @@ class Parallelized:
     sharded: bool = False
 
 
-def parallelize(module: nn.Module, blocks_path: str, blocks: nn.Module, mesh: DeviceMesh, dims: ParallelDims,
-                options: HybridOptions, *, precision: str, device: torch.device, run_step: Callable[[], Any],
+def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh, dims: ParallelDims,
+                options: HybridOptions, *, precision: str, device: torch.device, run_step: Callable[..., Any],
                 block_call: Optional[BlockCall] = None) -> Parallelized:
     """Apply ``options``' parallelisms to ``module`` in place (see the module docstring for the order); every
-    rank calls it. ``run_step`` runs the user's step once on the first batch (tracing); ``block_call`` is the first
-    block's captured call if the caller already has it."""
+    rank calls it. ``run_step(microbatches=1)`` runs the user's step once on the first batch, or on its first
+    ``microbatches``-th (tracing); ``block_call`` is the first block's captured call if the caller already has it."""
     result = Parallelized()
     owned = list(range(len(blocks)))
     compute_dtype = mixed_precision_policy(precision).param_dtype
     # 1. pipeline split
     if dims.pp > 1:
         assert options.pipeline_schedule is not None
-        result.pipeline = apply_pipeline_split(module, blocks_path, blocks, options.pipeline_schedule, mesh[PIPELINE],
-                                               device, run_step, options.pp_split, compute_dtype)
+        result.pipeline = apply_pipeline_split(module, blocks_path, blocks, options.pipeline_schedule, mesh, device,
+                                               run_step, options.pp_split, compute_dtype)
         owned = result.pipeline.owned_blocks
     # 2. tensor parallelism
     if dims.tp > 1 or options.tp_plan:
@@ -90,23 +90,42 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: nn.Module, mesh: De
     return result
 
 
-def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: nn.Module, schedule: PipelineSchedule,
-                         pp_mesh: DeviceMesh, device: torch.device, run_step: Callable[[], Any],
+def find_blocks(module: nn.Module, options: HybridOptions) -> BlockList:
+    """The blocks the parallelisms work on (see :func:`~lightning_hybrid.parallel.blocks.find_block_list`). Data
+    parallelism alone needs none: a model without a recognizable block list is then sharded as one FSDP2 unit,
+    with a warning; tensor and pipeline parallelism, checkpointing and an ``"auto"`` layout need them."""
+    try:
+        return find_block_list(module, options.blocks)[1]
+    except ValueError as error:
+        needs_blocks = (options.blocks is not None or options.chooses_layout or options.tp != 1 or options.pp != 1
+                        or options.checkpointing is not None)
+        if needs_blocks:
+            raise
+        rank_zero_warn(f"{error} With data parallelism alone the strategy shards the whole model as one FSDP2 unit"
+                       " instead (more memory at the gather peak than sharding block by block).")
+        return BlockList("", nn.ModuleList())
+
+
+def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: BlockList, schedule: PipelineSchedule,
+                         mesh: DeviceMesh, device: torch.device, run_step: Callable[..., Any],
                          pp_split: Optional[Sequence[int]], compute_dtype: Optional[torch.dtype]) -> Pipeline:
-    """Cut the blocks into the schedule's stages; this rank's stages are installed with FSDP2 in step 5."""
-    pipeline = build_pipeline(module, blocks_path, blocks, schedule, pp_mesh, device, run_step, pp_split, compute_dtype)
+    """Cut the blocks into the schedule's stages (tracing one microbatch of the step); this rank's stages are
+    installed with FSDP2 in step 5."""
+    microbatch_step = lambda: run_step(microbatches=schedule.microbatches)  # noqa: E731
+    pipeline = build_pipeline(module, blocks_path, blocks, schedule, mesh, device, microbatch_step, pp_split,
+                              compute_dtype)
     rank_zero_info(f"HybridStrategy: pipeline {schedule.name} over {schedule.num_stages} stages, blocks per stage"
                    f" {pipeline.split.blocks_per_stage}, {schedule.microbatches} microbatches")
     return pipeline
 
 
-def apply_checkpointing(blocks: nn.Module, owned: Sequence[int], plan: CheckpointPlan) -> None:
+def apply_checkpointing(blocks: BlockList, owned: Sequence[int], plan: CheckpointPlan) -> None:
     """Checkpoint the blocks of ``owned`` that ``plan`` covers (indices over the whole model)."""
     count = apply_activation_checkpointing(((i, blocks[i]) for i in owned), plan)
     rank_zero_info(f"HybridStrategy: activation checkpointing {plan} on {count} blocks")
 
 
-def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: nn.Module, mesh: DeviceMesh, dims: ParallelDims,
+def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh, dims: ParallelDims,
                         options: HybridOptions, precision: str, pipeline: Optional[Pipeline]) -> bool:
     """FSDP2 over the data mesh (HSDP with replicas), block by block then the root, or per pipeline stage; builds
     the pipeline's stage modules. Returns whether FSDP2 was applied."""
@@ -130,11 +149,11 @@ def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: nn.Module, 
     return sharded
 
 
-def install_stages(pipeline: Pipeline, blocks: nn.Module, fsdp_mesh: DeviceMesh,
+def install_stages(pipeline: Pipeline, blocks: BlockList, fsdp_mesh: DeviceMesh,
                    fsdp_options: Optional[FSDPOptions]) -> None:
     """Build this rank's stage modules; with ``fsdp_options``, FSDP2 per block of each local stage, each stage
     module the root of its own units."""
-    pipeline.install()
+    pipeline.install(sharded=fsdp_options is not None)
     if fsdp_options is not None:
         for stage, stage_module in pipeline.stage_modules.items():
             stage_blocks = [blocks[i] for i in pipeline.split.block_range(stage)]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import defaultdict
-from typing import Iterable, Optional, Union
+from typing import Any, Container, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,20 +35,22 @@ from lightning_hybrid.options import SUPPORTED_PRECISION
 
 
 def total_grad_norm(
-    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pipeline_group: Optional[dist.ProcessGroup] = None
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pipeline_group: Optional[dist.ProcessGroup] = None,
+    counted_elsewhere: Container[int] = (),
 ) -> torch.Tensor:
     """The ``norm_type`` norm of all gradients of the model, over every mesh (and pipeline stage); a CPU scalar.
 
     Works when parameters are spread over several device meshes (and plain tensors): the per-mesh norms are
     computed by DTensor, which reduces over each mesh, and combined here. With pipeline stages, each rank holds
     other parameters, so the norms of all ranks of ``pipeline_group`` are combined too. Every rank of the mesh
-    must call it (it communicates).
+    must call it (it communicates). A parameter held by several stages (a tied weight) counts once: the ranks that
+    do not count it pass its ``id`` in ``counted_elsewhere``.
 
     Example::
 
         norm = total_grad_norm(module.parameters(), pipeline_group=pp_mesh.get_group())
     """
-    with_grads = [p for p in parameters if p.grad is not None]
+    with_grads = [p for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
     if not with_grads and pipeline_group is None:
         return torch.tensor(0.0)
     norms = []
@@ -66,11 +68,12 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     pipeline_group: Optional[dist.ProcessGroup] = None,
+    counted_elsewhere: Container[int] = (),
 ) -> torch.Tensor:
     """Clip gradients in place to a total ``norm_type`` norm of ``max_norm``; returns the total norm
     (:func:`total_grad_norm`)."""
     parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type, pipeline_group)
+    total = total_grad_norm(parameters, norm_type, pipeline_group, counted_elsewhere)
     for group in _by_mesh([p for p in parameters if p.grad is not None]).values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
@@ -100,11 +103,15 @@ def _combine_over_stages(
 class _MeshClipping:
     """Mixin: clip by the norm over all meshes (and pipeline stages) instead of Lightning's ``clip_grad_norm_``."""
 
-    #: Set by the strategy when pp > 1: the norm adds up over the stages of the pipeline.
-    pipeline_group: Optional[dist.ProcessGroup] = None
+    #: Set by the strategy when pp > 1 (a :class:`~lightning_hybrid.pipeline.runtime.Pipeline`): the norm adds up
+    #: over the stages of the pipeline, each tied weight once.
+    pipeline: Optional[Any] = None
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val, pipeline_group=self.pipeline_group)  # type: ignore[attr-defined]
+        pipeline = self.pipeline
+        group, elsewhere = (pipeline.pp_group, pipeline.counted_elsewhere()) if pipeline is not None else (None, ())
+        clip_grad_norm_(self.main_params(optimizer), clip_val, pipeline_group=group,  # type: ignore[attr-defined]
+                        counted_elsewhere=elsewhere)
 
 
 class HybridPrecision(_MeshClipping, Precision):

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_hybrid._compat import StridedShard, tree_flatten, tree_map
+from lightning_hybrid.parallel.blocks import BlockList
 from lightning_hybrid.parallel.dataflow import trace_block
 from lightning_hybrid.parallel.tp_plan import (
     BlockPlan,
@@ -117,7 +118,7 @@ def style_for(entry: PlanEntry) -> ParallelStyle | None:
 def apply_tensor_parallel(
     root: nn.Module,
     blocks_path: str,
-    blocks: nn.Module,
+    blocks: BlockList,
     block_call: tuple[tuple, dict],
     mesh: DeviceMesh,
     *,
@@ -147,7 +148,7 @@ def apply_tensor_parallel(
 def plan_tensor_parallel(
     root: nn.Module,
     blocks_path: str,
-    blocks: nn.Module,
+    blocks: BlockList,
     block_call: tuple[tuple, dict],
     mesh: DeviceMesh,
     *,
@@ -157,7 +158,7 @@ def plan_tensor_parallel(
     """The plan for every block, from the first block's data flow on ``block_call``; with ``verify``, each pair
     group's candidates and then the whole plan are checked against the unsharded block on ``mesh`` (collective
     over it; raises ``RuntimeError`` naming the layers to keep whole if no candidate computes the same)."""
-    in_block = block_tp_overrides(root, tp_plan, blocks_path, len(blocks))
+    in_block = block_tp_overrides(root, tp_plan, blocks_path, blocks.keys)
     accelerator_rng = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator_rng):  # planning must not shift the user's random streams
         reference = _reference_copy(blocks[0], mesh)

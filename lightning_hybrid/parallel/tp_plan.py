@@ -29,7 +29,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Iterator, Mapping, Union
+from typing import Iterator, Mapping, Sequence, Union
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -302,22 +302,25 @@ def resolve_overrides(tp_plan: Mapping[str, PlanEntry], names: list[str]) -> dic
 
 
 def block_tp_overrides(root: nn.Module, tp_plan: Mapping[str, PlanEntry], blocks_path: str,
-                       count: int) -> dict[str, PlanEntry]:
-    """``tp_plan``'s entries for the blocks, relative to one block (the plan every block gets)."""
+                       keys: Sequence[str]) -> dict[str, PlanEntry]:
+    """``tp_plan``'s entries for the blocks, relative to one block (the plan every block gets); ``keys`` are the
+    blocks' names in their container."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
-    return _per_block_overrides(overrides, blocks_path, count)
+    return _per_block_overrides(overrides, blocks_path, keys)
 
 
-def _per_block_overrides(overrides: Mapping[str, PlanEntry], blocks_path: str, count: int) -> dict[str, PlanEntry]:
+def _per_block_overrides(overrides: Mapping[str, PlanEntry], blocks_path: str,
+                         keys: Sequence[str]) -> dict[str, PlanEntry]:
     """``tp_plan`` entries inside the blocks, relative to one block; one plan serves every block."""
-    per_block: list[dict[str, PlanEntry]] = [{} for _ in range(count)]
+    per_block: dict[str, dict[str, PlanEntry]] = {key: {} for key in keys}
     for name, entry in overrides.items():
         if name.startswith(blocks_path + "."):
-            index, _, relative = name[len(blocks_path) + 1:].partition(".")
-            per_block[int(index)][relative] = entry
-    if any(entries != per_block[0] for entries in per_block):
+            key, _, relative = name[len(blocks_path) + 1:].partition(".")
+            per_block[key][relative] = entry
+    plans = list(per_block.values())
+    if any(entries != plans[0] for entries in plans):
         raise ValueError(
             f"tp_plan entries inside '{blocks_path}' must treat every block alike (one plan is applied to all"
             f" blocks); write them with a wildcard, e.g. '{blocks_path}.*.attn.qkv'."
         )
-    return per_block[0]
+    return plans[0]

@@ -4,9 +4,12 @@ Every pipeline rank runs the user's own step for each of its stages and microbat
 which modules really compute:
 
 * the units (blocks, embedding, head, ... see :mod:`lightning_hybrid.pipeline.split`) of the running stage compute;
-* units of other stages are *stood in for*: a meta-device copy computes only the output's shape, and zeros of
-  that shape are returned — no parameters, no FLOPs — so the user's code around them (rotary tables, masks,
-  position ids computed from the embedding's output) still runs and hands the blocks their extra arguments;
+* units of other stages are *stood in for*: zeros shaped like the output the unit gave for inputs of the same
+  shapes in the setup trace (or, for shapes the trace did not see, like the output of a meta-device copy) — no
+  parameters, no FLOPs — so the user's code around them (rotary tables, masks, position ids computed from the
+  embedding's output) still runs and hands the blocks their extra arguments. Attributes read from a stand-in
+  (``head.weight.dtype``, ``embeddings.config``) come from that copy, tensors as zero-memory tensors of the right
+  shape and dtype on this device;
 * the stage's first block takes the activation received from the previous stage in place of the stand-in
   output it was given, and its last block ends the stage by raising :class:`StageOutput` (a ``BaseException``,
   so user code catching ``Exception`` cannot swallow it) with its output, which the stage module returns to
@@ -14,7 +17,7 @@ which modules really compute:
 
 Example::
 
-    dispatcher = UnitDispatcher(split, make_shadows(lightning_module, split), device, compute_dtype=None)
+    dispatcher = UnitDispatcher(split, make_shadows(lightning_module, split), trace.outputs, device, None)
     parent.head = RemoteUnit(dispatcher, index)            # a unit of another rank
     module.__class__ = staged_class(type(module))          # a unit of this rank consults the dispatcher
     dispatcher.active = ActiveStage(0, range(0, 2), is_first=True, is_last=False, received=())
@@ -31,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_hybrid.pipeline.split import StageSplit
+from lightning_hybrid.pipeline.trace import TensorSpec, call_signature, output_spec
 
 
 class StageOutput(BaseException):
@@ -63,6 +67,15 @@ class RemoteUnit(nn.Module):
         dispatcher, index = self._dispatcher_ref
         return dispatcher.call(index, None, args, kwargs, training=self.training)
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or "_dispatcher_ref" not in self.__dict__:
+                raise
+            dispatcher, index = self.__dict__["_dispatcher_ref"]
+            return dispatcher.remote_value(getattr(dispatcher.shadow(index), name), f"{dispatcher.name(index)}.{name}")
+
     def extra_repr(self) -> str:
         dispatcher, index = self._dispatcher_ref
         unit = dispatcher.split.units[index]
@@ -84,19 +97,56 @@ def staged_class(cls: type) -> type:
     return _STAGED_CLASSES[cls]
 
 
+class RemoteView:
+    """A submodule of another rank's unit as attribute reads see it (see :meth:`UnitDispatcher.remote_value`); it
+    cannot be called: only whole units stand in."""
+
+    def __init__(self, dispatcher: "UnitDispatcher", module: nn.Module, name: str) -> None:
+        self.__dict__.update(_dispatcher=dispatcher, _module=module, _name=name)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._dispatcher.remote_value(getattr(self._module, name), f"{self._name}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"'{self._name}' is part of a unit that computes on another pipeline rank; the step called it directly,"
+            " and only whole units can stand in there. Call the unit itself, or move the call into it."
+        )
+
+
 class UnitDispatcher:
     """Decides, for each unit called during a stage's step, whether it computes, stands in, or ends the stage."""
 
-    def __init__(
-        self, split: StageSplit, shadows: list[nn.Module], device: torch.device, compute_dtype: Optional[torch.dtype]
-    ) -> None:
+    def __init__(self, split: StageSplit, shadows: list[nn.Module], recorded: dict[str, dict[tuple, Any]],
+                 device: torch.device, compute_dtype: Optional[torch.dtype]) -> None:
         self.split = split
         self._shadows = shadows
+        self._recorded = recorded
         self._device = device
         self._compute_dtype = compute_dtype
         self.active: Optional[ActiveStage] = None
         self._previous_block_output: list[Tensor] = []
-        self._stand_in_outputs: dict[tuple, Any] = {}
+        self._meta_outputs: dict[tuple, Any] = {}
+        self._ghosts: dict[int, Tensor] = {}
+
+    def name(self, index: int) -> str:
+        return self.split.units[index].name
+
+    def shadow(self, index: int) -> nn.Module:
+        return self._shadows[index]
+
+    def remote_value(self, value: Any, name: str) -> Any:
+        """What reading ``value`` off another rank's unit gives here: a tensor as a zero-memory tensor of its shape
+        and dtype on this device, a submodule as a :class:`RemoteView`, anything else as it is."""
+        if isinstance(value, Tensor):
+            if id(value) not in self._ghosts:
+                self._ghosts[id(value)] = torch.zeros((), dtype=value.dtype, device=self._device).expand(value.shape)
+            return self._ghosts[id(value)]
+        if isinstance(value, nn.Module):
+            return RemoteView(self, value, name)
+        return value
 
     def end_stage(self) -> None:
         # Drop the last block's output too: kept, it would hold a microbatch's activation until the next stage runs
@@ -117,7 +167,7 @@ class UnitDispatcher:
                 )
             return compute(*args, **kwargs)
         block = unit.block_index
-        if unit.stage == active.index:
+        if active.index in unit.computes_on:
             if block == active.blocks.start and not active.is_first:
                 args, kwargs = self._take_received(block, args, kwargs)
             output = compute(*args, **kwargs)  # type: ignore[misc]
@@ -135,32 +185,45 @@ class UnitDispatcher:
         return output
 
     def _stand_in(self, index: int, args: tuple, kwargs: dict, training: bool) -> Any:
-        """Zeros shaped like the unit's output, computed on a meta-device copy (no parameters, no FLOPs).
-
-        The meta output is cached per unit, mode and input signature (shapes, dtypes and plain values): running the
-        meta copy costs Python time per operation (measured: 0.2 s per microbatch for two GPT blocks on a CPU), and
-        every microbatch of a step has the same shapes.
-        """
-        key = _signature((index, training, args, kwargs))
-        output = self._stand_in_outputs.get(key) if key is not None else None
+        """Zeros shaped like the unit's output: as recorded by the setup trace for inputs of these shapes, else
+        computed on the unit's meta-device copy (no parameters, no FLOPs) and cached per unit, mode and input
+        signature (running the copy costs Python time per operation: 0.2 s per microbatch for two GPT blocks on a
+        CPU, measured)."""
+        key = call_signature((args, kwargs))
+        output = self._recorded.get(self.name(index), {}).get(key) if key is not None else None
         if output is None:
-            output = self._meta_output(index, args, kwargs)
-            if key is not None:
-                self._stand_in_outputs[key] = output
-        return tree_map(
-            lambda v: torch.zeros(v.shape, dtype=v.dtype, device=self._device) if isinstance(v, Tensor) else v, output
-        )
+            cache_key = (index, training, key) if key is not None else None
+            output = self._meta_outputs.get(cache_key) if cache_key is not None else None
+            if output is None:
+                output = output_spec(self._meta_output(index, args, kwargs))
+                if cache_key is not None:
+                    self._meta_outputs[cache_key] = output
+        return tree_map(lambda v: self._zeros(v) if isinstance(v, TensorSpec) else v, output)
+
+    def _zeros(self, spec: TensorSpec) -> Tensor:
+        # Floating outputs in the compute dtype, as FSDP2's mixed-precision policy makes a real unit's.
+        dtype = self._compute_dtype if self._compute_dtype is not None and spec.dtype.is_floating_point else spec.dtype
+        return torch.zeros(spec.shape, dtype=dtype, device=self._device)
 
     def _meta_output(self, index: int, args: tuple, kwargs: dict) -> Any:
         def to_meta(value: Any) -> Any:
             if not isinstance(value, Tensor):
                 return value
-            # Floating inputs in the compute dtype, as FSDP2's mixed-precision policy casts a real unit's inputs.
             cast = self._compute_dtype if self._compute_dtype is not None and value.is_floating_point() else None
             return value.detach().to("meta", dtype=cast)
 
-        with torch.no_grad():
-            return self._shadows[index](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        try:
+            with torch.no_grad():
+                return self._shadows[index](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        except Exception as error:
+            shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+            unit = self.split.units[index]
+            raise RuntimeError(
+                f"'{unit.name}' computes on pipeline stage {unit.stage}; this rank stands in for it and needs the"
+                f" shape of its output for inputs of shapes {shapes}, which the setup trace did not see, and its"
+                f" meta-device copy could not compute it ({type(error).__name__}: {error}). Give every step the"
+                " batch shape of the first training batch (e.g. drop_last=True), or use pp=1."
+            ) from error
 
     def _take_received(self, block: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Put the received activation where the stand-in output of the previous block was passed in."""
@@ -197,21 +260,3 @@ def make_shadows(root: nn.Module, split: StageSplit, dtype: Optional[torch.dtype
             memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
         shadows.append(copy.deepcopy(module, memo))
     return shadows
-
-
-_PLAIN_VALUES = (int, float, bool, str, type(None))
-
-
-def _signature(value: Any) -> Optional[tuple]:
-    """A hashable description of a call's inputs as far as output shapes can depend on them: tensor shapes and
-    dtypes, plain values, the nesting. ``None`` if an input is of another kind (its effect cannot be told)."""
-    leaves, spec = tree_flatten(value)
-    described = []
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            described.append((tuple(leaf.shape), leaf.dtype))
-        elif isinstance(leaf, _PLAIN_VALUES):
-            described.append((type(leaf), leaf))
-        else:
-            return None
-    return (str(spec), tuple(described))

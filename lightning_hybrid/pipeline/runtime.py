@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_hybrid._compat import keep_forward_actions, tree_flatten, tree_map
-from lightning_hybrid.parallel.blocks import detached
+from lightning_hybrid.parallel.blocks import BlockList, detached
 from lightning_hybrid.pipeline.dispatch import (
     ActiveStage,
     RemoteUnit,
@@ -49,29 +49,38 @@ from lightning_hybrid.pipeline.semantics import (
     recording_logs,
     to_cpu,
 )
-from lightning_hybrid.pipeline.split import StageSplit, plan_split, trace_step
+from lightning_hybrid.mesh import PIPELINE
+from lightning_hybrid.pipeline.shared import SharedParameter, combine_gradients, counted_elsewhere, shared_parameters
+from lightning_hybrid.pipeline.split import StageSplit, plan_split
+from lightning_hybrid.pipeline.trace import trace_step
 from lightning_hybrid.pipeline.timing import StepRecorder, StepTimeline
 
+_TWO_LOCAL_STAGES = (
+    "'{name}' lives on pipeline stages {stages}, which pp_schedule='{schedule}' places on the same rank, and FSDP2"
+    " cannot shard one module for two stage modules. Use a schedule that places them on different ranks (e.g."
+    " '1f1b' or 'interleaved_1f1b'), or one data-parallel rank with 32-true precision (no FSDP2)."
+)
 NEEDS_AUTOMATIC_OPTIMIZATION = (
     "the pipeline runs forward and backward of all microbatches inside its schedule, so it needs automatic"
     " optimization; manual_backward() cannot be pipelined"
 )
 
 
-def build_pipeline(module: Any, blocks_path: str, blocks: nn.Module, schedule: PipelineSchedule,
-                   pp_mesh: DeviceMesh, device: torch.device, run_step: Callable[[], Any],
+def build_pipeline(module: Any, blocks_path: str, blocks: BlockList, schedule: PipelineSchedule,
+                   mesh: DeviceMesh, device: torch.device, run_step: Callable[[], Any],
                    pp_split: Optional[Sequence[int]] = None,
                    compute_dtype: Optional[torch.dtype] = None) -> "Pipeline":
-    """Trace one step (``run_step``), split it into the schedule's stages (``pp_split`` blocks per stage, else
-    balanced by FLOPs) and keep meta-device stand-ins of every unit, taken before any other parallelism changes
-    the units."""
+    """Trace one step (``run_step``, on one microbatch: the stand-ins answer from what it records), split it into
+    the schedule's stages (``pp_split`` blocks per stage, else balanced by FLOPs) and keep meta-device copies of
+    every unit, taken before any other parallelism changes the units. ``mesh`` is the whole device mesh."""
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(f"HybridStrategy(pp > 1): {NEEDS_AUTOMATIC_OPTIMIZATION}. Set"
                          " self.automatic_optimization = True or use pp=1.")
     trace = trace_step(module, blocks, run_step)
     split = plan_split(module, blocks_path, blocks, trace, schedule.num_stages, pp_split)
     shadows = make_shadows(module, split, compute_dtype)
-    return Pipeline(module, split, schedule, pp_mesh, device, shadows, compute_dtype)
+    dispatcher = UnitDispatcher(split, shadows, trace.outputs, device, compute_dtype)
+    return Pipeline(module, split, schedule, mesh, device, dispatcher)
 
 
 class _StageModule(nn.Module):
@@ -94,16 +103,19 @@ class _StageModule(nn.Module):
 class Pipeline:
     """Stages of one pipeline rank, their torch schedules, and the Lightning semantics of a pipelined step."""
 
-    def __init__(self, module: Any, split: StageSplit, schedule: PipelineSchedule, pp_mesh: DeviceMesh,
-                 device: torch.device, shadows: list[nn.Module], compute_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, module: Any, split: StageSplit, schedule: PipelineSchedule, mesh: DeviceMesh,
+                 device: torch.device, dispatcher: UnitDispatcher) -> None:
         self.module = module
         self.split = split
         self.schedule = schedule
-        self._pp_rank = pp_mesh.get_local_rank()
+        self._mesh = mesh
+        self._pp_rank = mesh[PIPELINE].get_local_rank()
         self.stage_ids = schedule.stage_ids(self._pp_rank)
-        self._group = pp_mesh.get_group()
+        self._group = mesh[PIPELINE].get_group()
         self._device = device
-        self._dispatcher = UnitDispatcher(split, shadows, device, compute_dtype)
+        self._dispatcher = dispatcher
+        #: Parameters whose gradients this rank combines after each step (set by :meth:`install`).
+        self.shared: list[SharedParameter] = []
         self.stage_modules: dict[int, _StageModule] = {}
         self._schedules: dict[Any, Any] = {}
         self._step_name = "training_step"
@@ -136,24 +148,47 @@ class Pipeline:
         """Global ranks of this pipeline, in pipeline order."""
         return dist.get_process_group_ranks(self._group)
 
+    def counted_elsewhere(self) -> set[int]:
+        """``id``\\ s of this rank's parameters that another pipeline rank counts in the total gradient norm."""
+        return counted_elsewhere(self.module, self.shared)
+
     @property
     def owned_blocks(self) -> list[int]:
         """Indices of the blocks this rank's stages run."""
         return [i for stage in self.stage_ids for i in self.split.block_range(stage)]
 
     # ---------------------------------------------------------------------------------------- building
-    def install(self) -> None:
+    def install(self, sharded: bool) -> None:
         """Swap other ranks' units for parameter-free stand-ins and build this rank's stage modules (before FSDP2,
-        which the caller applies to ``stage_modules``)."""
+        which the caller applies to ``stage_modules`` when ``sharded``)."""
+        self.shared = shared_parameters(self.module, self.split, self.schedule, self._mesh, sharded)
         owned: dict[int, list[nn.Module]] = {stage: [] for stage in self.stage_ids}
         for index, unit in enumerate(self.split.units):
             parent_name, _, attribute = unit.name.rpartition(".")
             parent = self.module.get_submodule(parent_name)
-            if unit.stage in owned:
-                owned[unit.stage].append(getattr(parent, attribute))
-            else:
+            local = [stage for stage in unit.stages if stage in owned]
+            if sharded and len(local) > 1:
+                raise ValueError(_TWO_LOCAL_STAGES.format(name=unit.name, stages=local, schedule=self.schedule.name))
+            for stage in local:
+                owned[stage].append(getattr(parent, attribute))
+            if not local:
                 setattr(parent, attribute, RemoteUnit(self._dispatcher, index))
+        self._ghost_direct_parameters()
         self.stage_modules = {stage: _StageModule(self, stage, units) for stage, units in owned.items()}
+
+    def _ghost_direct_parameters(self) -> None:
+        """Parameters held by a module that contains the blocks, on ranks whose stages never read them: replaced
+        by a non-persistent buffer of the same shape and dtype taking no memory, so code that touches them on the
+        way to other units still runs (no parameter, no gradient, not in the state dict)."""
+        for name, stages in self.split.direct.items():
+            if set(stages) & set(self.stage_ids):
+                continue
+            parent_name, _, attribute = name.rpartition(".")
+            parent = self.module.get_submodule(parent_name)
+            parameter = getattr(parent, attribute)
+            delattr(parent, attribute)
+            ghost = torch.zeros((), dtype=parameter.dtype, device=self._device).expand(parameter.shape)
+            parent.register_buffer(attribute, ghost, persistent=False)
 
     def route_units(self) -> None:
         """Make this rank's units consult the dispatcher on every call (after FSDP2 fixed their classes)."""
@@ -210,6 +245,7 @@ class Pipeline:
             step_inputs = dict(batch=batch, step_args=args, step_kwargs=kwargs)
             if training:
                 schedule.step(target=target, return_outputs=False, **step_inputs)
+                combine_gradients(self.module, self.shared)  # tied weights: the sum over their stages
             else:
                 with torch.no_grad():
                     schedule.eval(target=target, return_outputs=False, **step_inputs)

@@ -1,64 +1,61 @@
-"""Split an unmodified model into pipeline stages: what runs where, decided from one traced step.
+"""Split an unmodified model into pipeline stages: what runs and what lives where, decided from one traced step.
 
-The model is cut between its repeated blocks (:func:`lightning_hybrid.parallel.blocks.find_block_list`). Every other
-module that holds parameters — embeddings, final norm, head, whatever the user named them — goes with the stage
-that runs it: a module the step calls before the first block belongs to the first stage, one it calls after the
-last block to the last stage. That is decided by watching one real step (:func:`trace_step`), not by names, and
-the same trace measures each block's forward FLOPs so stages can be balanced by cost.
+The model is cut between its repeated blocks (:func:`lightning_hybrid.parallel.blocks.find_block_list`), balanced by
+each block's traced FLOPs. Every other module that holds parameters — embeddings, final norm, head, whatever the
+user named them — goes with the stages that call it (:mod:`lightning_hybrid.pipeline.trace`): before the first
+block → the first stage, after the last block → the last stage, between blocks → every stage. A parameter lives on
+every stage that reads it, whichever module holds it: a weight tied between the embedding (first stage) and the
+head (last stage) lives on both, as do its modules; a table held by the model itself (``self.pos_embed``) lives
+where it is read. The runtime sums the gradients of a parameter held on several stages over them.
 
 Example::
 
     trace = trace_step(lightning_module, blocks, run_step=lambda: lightning_module.training_step(batch, 0))
     split = plan_split(lightning_module, "model.layers", blocks, trace, num_stages=4)
     split.blocks_per_stage        # e.g. [2, 3, 3, 2]: the head's cost moved a block off the last stage
+    split.parameter_stages        # {"model.tok_emb.weight": (0, 3), "model.head.weight": (0, 3), ...} when tied
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
-import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_hybrid._compat import tree_leaves
-
-BEFORE, TRUNK, AFTER = "before the blocks", "between blocks", "after the blocks"
-
-
-@dataclass
-class StepTrace:
-    """What one step of the model did, as seen from its blocks and the modules around them."""
-
-    block_flops: list[float]
-    flops_before: float
-    flops_after: float
-    #: Name of every parameterized module outside the blocks → the phases in which it was called or its
-    #: parameters were read (a weight tied to another module is read without calling its module).
-    outer_phases: dict[str, set[str]]
-    #: Parameters held directly by a module that also contains the blocks (e.g. a ``pos_embed`` tensor).
-    direct_parameters: list[str]
+from lightning_hybrid.parallel.blocks import BlockList
+from lightning_hybrid.pipeline.trace import AFTER, BEFORE, TRUNK, StepTrace
 
 
 @dataclass
 class Unit:
-    """One piece of the model that lives on exactly one pipeline stage: a block, or a module outside the blocks."""
+    """One piece of the model a stage holds: a block, or a module outside the blocks. ``stages`` hold it;
+    on ``computes_on`` its calls compute (elsewhere a stand-in answers: a tied head is held on the first stage for
+    its weight but computes on the last)."""
 
     name: str
     block_index: Optional[int]
-    stage: int
+    stages: tuple[int, ...]
+    computes_on: tuple[int, ...]
+
+    @property
+    def stage(self) -> int:
+        """The first stage it computes on."""
+        return self.computes_on[0]
 
 
 @dataclass
 class StageSplit:
-    """The result of :func:`plan_split`: blocks per stage and every unit's stage."""
+    """The result of :func:`plan_split`: blocks per stage, every unit's stages, and where each parameter outside
+    the blocks lives (a block's parameters live with their block)."""
 
     num_stages: int
     blocks_per_stage: list[int]
     units: list[Unit] = field(default_factory=list)
+    #: Name of every parameter outside the blocks (tied weights under each name) → the stages that hold it.
+    parameter_stages: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Parameters held directly by a module that contains the blocks (not by any unit) → their stages.
+    direct: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def block_range(self, stage: int) -> range:
         """Indices of the blocks that ``stage`` runs."""
@@ -66,124 +63,16 @@ class StageSplit:
         return range(start, start + self.blocks_per_stage[stage])
 
 
-def outer_modules(root: nn.Module, blocks: nn.Module) -> tuple[dict[str, nn.Module], list[str]]:
-    """Largest submodules with parameters that do not contain the blocks, and parameters held directly by the
-    modules that do (the path from the root down to the block list)."""
-    found: dict[str, nn.Module] = {}
-    direct: list[str] = []
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        direct.extend(prefix + name for name, _ in module.named_parameters(recurse=False))
-        for name, child in module.named_children():
-            if child is blocks:
-                continue
-            if any(m is blocks for m in child.modules()):
-                visit(child, f"{prefix}{name}.")
-            elif any(True for _ in child.parameters()):
-                found[prefix + name] = child
-
-    visit(root, "")
-    return found, direct
-
-
-def trace_step(root: nn.Module, blocks: nn.Module, run_step: Callable[[], Any]) -> StepTrace:
-    """Run ``run_step`` once (gradients off) and record FLOPs per block and what ran before and after the blocks."""
-    outer, direct = outer_modules(root, blocks)
-    watch = _StepWatch(list(blocks), outer)
-    owner_of = {id(p): name for name, module in outer.items() for p in module.parameters()}
-    handles = watch.attach()
-    try:
-        with torch.no_grad(), watch.counter, _ParameterReads(owner_of, watch.phases, watch.state):
-            run_step()
-    finally:
-        for handle in handles:
-            handle.remove()
-    _check_block_calls(watch.calls)
-    total = watch.counter.get_total_flops()
-    return StepTrace(
-        block_flops=watch.block_flops,
-        flops_before=watch.marks.get("trunk", 0.0),
-        flops_after=total - watch.marks.get("after", total),
-        outer_phases=watch.phases,
-        direct_parameters=direct,
-    )
-
-
-class _StepWatch:
-    """Forward hooks that follow one traced step: its phase (before, between, after the blocks), each block's calls
-    and FLOPs, and the phases in which each outer module runs."""
-
-    def __init__(self, blocks: list[nn.Module], outer: dict[str, nn.Module]) -> None:
-        self.blocks, self.outer = blocks, outer
-        self.state = {"phase": BEFORE}  # a dict: _ParameterReads reads the current phase from it
-        self.phases: dict[str, set[str]] = {name: set() for name in outer}
-        self.calls = [0] * len(blocks)
-        self.block_flops = [0.0] * len(blocks)
-        self.counter = FlopCounterMode(display=False)
-        self.marks: dict[str, float] = {}
-
-    def attach(self) -> list[Any]:
-        handles = []
-        for index, block in enumerate(self.blocks):
-            handles.append(block.register_forward_pre_hook(functools.partial(self._block_started, index)))
-            handles.append(block.register_forward_hook(functools.partial(self._block_finished, index)))
-        for name, module in self.outer.items():
-            handles.append(module.register_forward_pre_hook(functools.partial(self._outer_called, name)))
-        return handles
-
-    def _block_started(self, index: int, module: nn.Module, args: Any) -> None:
-        self.calls[index] += 1
-        self.state["phase"] = TRUNK
-        self.marks["block"] = self.counter.get_total_flops()
-        if index == 0:
-            self.marks["trunk"] = self.marks["block"]
-
-    def _block_finished(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
-        self.block_flops[index] += self.counter.get_total_flops() - self.marks["block"]
-        if index == len(self.blocks) - 1:
-            self.state["phase"] = AFTER
-            self.marks["after"] = self.counter.get_total_flops()
-
-    def _outer_called(self, name: str, module: nn.Module, args: Any) -> None:
-        self.phases[name].add(self.state["phase"])
-
-
-class _ParameterReads(TorchFunctionMode):
-    """Records the phase in which each outer module's parameters are used by any torch function."""
-
-    def __init__(self, owner_of: dict[int, str], phases: dict[str, set[str]], state: dict[str, Any]) -> None:
-        super().__init__()
-        self._owner_of, self._phases, self._state = owner_of, phases, state
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        # Only uses that compute a tensor count: reading metadata (``p.is_meta``, ``p.numel()``) is not a use.
-        if any(isinstance(v, torch.Tensor) for v in tree_leaves(result)):
-            for value in tree_leaves((args, kwargs or {})):
-                if isinstance(value, nn.Parameter) and id(value) in self._owner_of:
-                    self._phases[self._owner_of[id(value)]].add(self._state["phase"])
-        return result
-
-
-def _check_block_calls(calls: list[int]) -> None:
-    wrong = {index: count for index, count in enumerate(calls) if count != 1}
-    if wrong:
-        raise ValueError(
-            "Pipeline parallelism cuts the model between its blocks, so each block must run exactly once per step;"
-            f" in the traced step these blocks ran a different number of times (block: calls): {wrong}. Point"
-            " HybridStrategy(blocks=...) at a block list whose blocks each run once, or use pp=1."
-        )
-
-
 def plan_split(
     root: nn.Module,
     blocks_path: str,
-    blocks: nn.Module,
+    blocks: BlockList,
     trace: StepTrace,
     num_stages: int,
     blocks_per_stage: Optional[Sequence[int]] = None,
 ) -> StageSplit:
-    """Assign blocks (balanced by traced FLOPs unless ``blocks_per_stage`` is given) and outer modules to stages."""
+    """Assign blocks (balanced by traced FLOPs unless ``blocks_per_stage`` is given), outer modules and the
+    parameters outside the blocks to stages."""
     num_blocks = len(blocks)
     if num_stages > num_blocks:
         raise ValueError(
@@ -191,41 +80,34 @@ def plan_split(
             f" '{blocks_path}' has {num_blocks}. Lower pp or virtual_stages, or point HybridStrategy(blocks=...)"
             " at a longer block list."
         )
-    if trace.direct_parameters:
-        raise ValueError(
-            f"Pipeline parallelism places every parameter on one stage by the module that holds it, but"
-            f" {trace.direct_parameters} are held directly by a module that also contains the blocks"
-            f" ('{blocks_path}'), so no stage can own them alone. Move them into a submodule (e.g. an nn.Module"
-            " holding the positional embedding), or use pp=1."
-        )
-    phase_of = _outer_phases(trace)
     if blocks_per_stage is None:
         counts = balanced_split(_block_costs(blocks, trace), num_stages, trace.flops_before, trace.flops_after)
     else:
         counts = _checked_split(blocks_per_stage, num_stages, num_blocks)
     split = StageSplit(num_stages=num_stages, blocks_per_stage=counts)
     for stage in range(num_stages):
-        split.units += [Unit(f"{blocks_path}.{i}", i, stage) for i in split.block_range(stage)]
-    split.units += [Unit(name, None, 0 if phase == BEFORE else num_stages - 1) for name, phase in phase_of.items()]
+        split.units += [Unit(blocks.name(i), i, (stage,), (stage,)) for i in split.block_range(stage)]
+    # A parameter lives wherever it is read; a module the step never uses stays with the first stage.
+    split.parameter_stages = {name: _stages(reads, num_stages) or (0,) for name, reads in trace.parameter_reads.items()}
+    for name, calls in trace.outer_calls.items():
+        held = {stage for param, stages in split.parameter_stages.items() if param.startswith(name + ".")
+                for stage in stages}
+        computes = _stages(calls, num_stages) or (min(held),)
+        split.units.append(Unit(name, None, tuple(sorted(held | set(computes))), computes))
+    split.direct = {name: split.parameter_stages[name] for name in trace.direct_parameters}
     return split
 
 
-def _outer_phases(trace: StepTrace) -> dict[str, str]:
-    result = {}
-    for name, phases in trace.outer_phases.items():
-        if TRUNK in phases or len(phases) > 1:
-            where = " and ".join(sorted(phases))
-            raise ValueError(
-                f"Pipeline parallelism needs every module outside the blocks to run on one stage, but '{name}' is"
-                f" used {where} (a weight shared between the embedding and the head, or a module reused around"
-                " the blocks). Untie the weights or call the module on one side of the blocks only, or use pp=1."
-            )
-        # A module the step never uses gets no gradient; it stays with the first stage.
-        result[name] = next(iter(phases), BEFORE)
-    return result
+def _stages(phases: Iterable[str], num_stages: int) -> tuple[int, ...]:
+    """The stages that run ``phases``: the first for code before the blocks, the last for code after them, and
+    every stage for code between blocks (each runs some of the blocks)."""
+    stages: set[int] = set()
+    for phase in phases:
+        stages |= {BEFORE: {0}, AFTER: {num_stages - 1}, TRUNK: set(range(num_stages))}[phase]
+    return tuple(sorted(stages))
 
 
-def _block_costs(blocks: nn.Module, trace: StepTrace) -> list[float]:
+def _block_costs(blocks: BlockList, trace: StepTrace) -> list[float]:
     if sum(trace.block_flops) > 0:
         return trace.block_flops
     # No matrix products counted (FLOP counting covers matmuls, convolutions and attention): balance parameters.

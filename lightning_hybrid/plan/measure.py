@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from lightning_hybrid._compat import tree_flatten
+from lightning_hybrid.parallel.blocks import find_block_list
 from lightning_hybrid.parallel.dataflow import trace_block
 from lightning_hybrid.parallel.tensor_parallel import plan_tensor_parallel
 from lightning_hybrid.parallel.tp_plan import PlanEntry, block_tp_overrides, plan_block
@@ -92,7 +93,7 @@ def _attention_of(func: Any, args: tuple, kwargs: dict, tokens: int) -> Optional
 def measure_model(module: nn.Module, blocks_path: str, block_call: tuple[tuple, dict]) -> tuple[ModelShape, int]:
     """The module's :class:`ModelShape` with heads and sequence length from one forward of its first block on the
     captured inputs, and the tokens that call carried (sequences × length of the batch)."""
-    blocks = module.get_submodule(blocks_path)
+    _, blocks = find_block_list(module, blocks_path)
     hidden = ModelShape.measure(module, seq_len=1, heads=1, blocks=blocks_path).hidden  # sizes but heads and length
     tokens = _tokens_in(block_call, hidden)
     watch = _AttentionWatch(tokens)
@@ -125,8 +126,8 @@ def tensor_parallel_obstacles(root: nn.Module, blocks_path: str, block_call: tup
     """``{tp: why not}`` for the degrees the tensor-parallel planner refuses for the first block: by structure
     (heads, widths); with ``check_on`` (a device type; every process must call) also by the numeric plan check the
     strategy runs at setup, each degree on temporary process groups of its size (destroyed after the check)."""
-    blocks = root.get_submodule(blocks_path)
-    overrides = block_tp_overrides(root, tp_plan, blocks_path, len(blocks))
+    _, blocks = find_block_list(root, blocks_path)
+    overrides = block_tp_overrides(root, tp_plan, blocks_path, blocks.keys)
     args, kwargs = block_call
     trace = trace_block(blocks[0], args, kwargs)
     obstacles = {}

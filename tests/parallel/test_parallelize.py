@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.mesh import ParallelDims
 from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.parallel.blocks import BlockList
 from lightning_hybrid.parallel.parallelize import parallelize
 from tests.helpers import on_two_ranks
 from tests.models import build_module
@@ -44,7 +45,7 @@ def _parallelize_on_two_ranks(rank: int, results: dict) -> None:
         local = tokens if "tp" in degrees else tokens.chunk(2)[rank]
         dims = ParallelDims(world_size=2, **degrees)
         mesh, data_mesh = dims.build_mesh("cpu")
-        result = parallelize(module, "layers", module.layers, mesh, dims, HybridOptions(**degrees, **options),
+        result = parallelize(module, "layers", BlockList("layers", module.layers), mesh, dims, HybridOptions(**degrees, **options),
                              precision="32-true", device=torch.device("cpu"),
                              run_step=lambda: module(local[:, :-1]))
         loss, grads = _loss_and_gradients(module, local)

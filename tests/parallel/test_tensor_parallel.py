@@ -132,6 +132,7 @@ def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    from lightning_hybrid.parallel.blocks import BlockList
     from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -139,7 +140,7 @@ def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict) -
     root.blocks = nn.ModuleList([block_zoo.build(style)])
     reference = copy.deepcopy(root.blocks[0])
     x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
-    plan = apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan=tp_plan, verify=True)
+    plan = apply_tensor_parallel(root, "blocks", BlockList("blocks", root.blocks), ((x,), {}), mesh, tp_plan=tp_plan, verify=True)
     sharded = root.blocks[0]
     x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref, out_tp = reference(x_ref), sharded(x_tp)
@@ -209,6 +210,7 @@ def _plan_on_meta(rank: int, results: dict, style: str) -> None:
     """Plan and check a block that only exists on the meta device (the check materializes a copy of it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lightning_hybrid.parallel.blocks import BlockList
     from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -216,7 +218,7 @@ def _plan_on_meta(rank: int, results: dict, style: str) -> None:
     with torch.device("meta"):
         root.blocks = nn.ModuleList([block_zoo.build(style)])
         x = torch.empty(2, 8, block_zoo.DIM)
-    plan = apply_tensor_parallel(root, "blocks", root.blocks, ((x,), {}), mesh, tp_plan={}, verify=True)
+    plan = apply_tensor_parallel(root, "blocks", BlockList("blocks", root.blocks), ((x,), {}), mesh, tp_plan={}, verify=True)
     if rank == 0:
         results.update(plan=plan, still_meta=all(p.is_meta for p in root.blocks.parameters()))
 
@@ -234,9 +236,9 @@ def test_plan_entries_inside_blocks_must_cover_every_block() -> None:
     from lightning_hybrid.parallel.tp_plan import _per_block_overrides
 
     overrides = {"blocks.0.attn.qkv": "replicate", "blocks.1.attn.qkv": "replicate", "head": "colwise"}
-    assert _per_block_overrides(overrides, "blocks", 2) == {"attn.qkv": "replicate"}
+    assert _per_block_overrides(overrides, "blocks", ("0", "1")) == {"attn.qkv": "replicate"}
     with pytest.raises(ValueError, match=r"must treat every block alike.*'blocks\.\*\.attn\.qkv'"):
-        _per_block_overrides({"blocks.1.attn.qkv": "replicate"}, "blocks", 2)
+        _per_block_overrides({"blocks.1.attn.qkv": "replicate"}, "blocks", ("0", "1"))
 
 
 def test_tp_not_dividing_kv_heads_names_the_key_projection() -> None:

@@ -8,7 +8,8 @@ from torch import nn
 
 from lightning_hybrid.parallel.blocks import find_block_list
 from lightning_hybrid.pipeline.semantics import muted_logs
-from lightning_hybrid.pipeline.split import AFTER, BEFORE, balanced_split, plan_split, trace_step
+from lightning_hybrid.pipeline.split import balanced_split, plan_split
+from lightning_hybrid.pipeline.trace import AFTER, BEFORE, TRUNK, TensorSpec, call_signature, trace_step
 from tests.models import build_module
 
 
@@ -39,11 +40,19 @@ def test_balanced_split(costs, stages, first, last, expected):
 def test_trace_places_embeddings_first_and_head_last_and_counts_block_flops():
     module = build_module("llama", config={"n_layers": 4})
     _, blocks, trace = _trace(module)
-    assert trace.outer_phases == {
+    assert trace.outer_calls == {
         "model.tok_embeddings": {BEFORE},
         "model.norm": {AFTER},
         "model.output": {AFTER},
     }
+    assert trace.parameter_reads == {
+        "model.tok_embeddings.weight": {BEFORE}, "model.norm.weight": {AFTER}, "model.output.weight": {AFTER}
+    }
+    # What the stand-ins answer with: each unit's output for the traced inputs' shapes.
+    block_call = call_signature(((torch.empty(2, 16, 32), torch.empty(16, 4, 2)), {}))
+    assert trace.outputs["model.layers.0"][block_call] == TensorSpec((2, 16, 32), torch.float32)
+    assert trace.outputs["model.output"][call_signature(((torch.empty(2, 16, 32),), {}))] == TensorSpec(
+        (2, 16, 64), torch.float32)
     # One block's forward FLOPs, counted by hand (2 FLOPs per multiply-add): q, k, v, o projections and the SwiGLU
     # MLP. Attention itself adds nothing here: torch's FLOP counter has no formula for the CPU flash-attention
     # kernel that scaled_dot_product_attention picks on this machine.
@@ -86,20 +95,39 @@ def test_more_stages_than_blocks_is_refused():
         plan_split(module, path, blocks, trace, num_stages=4)
 
 
-def test_weight_tied_across_the_trunk_is_refused():
+def test_a_weight_tied_across_the_trunk_lives_on_both_stages():
     module = build_module("gpt", config={"num_layers": 4})
     module.model.head.weight = module.model.tok_emb.weight  # GPT-2 style tying
     path, blocks, trace = _trace(module)
-    with pytest.raises(ValueError, match=r"'model\.(tok_emb|head)' is used after the blocks and before the blocks"):
-        plan_split(module, path, blocks, trace, num_stages=2)
+    split = plan_split(module, path, blocks, trace, num_stages=3)
+    units = {unit.name: unit for unit in split.units}
+    # Both modules are held where the shared weight is read; each computes only where the step calls it.
+    assert (units["model.tok_emb"].stages, units["model.tok_emb"].computes_on) == ((0, 2), (0,))
+    assert (units["model.head"].stages, units["model.head"].computes_on) == ((0, 2), (2,))
+    assert split.parameter_stages["model.tok_emb.weight"] == split.parameter_stages["model.head.weight"] == (0, 2)
+    assert split.parameter_stages["model.pos_emb.weight"] == (0,) and split.direct == {}
 
 
-def test_parameter_held_next_to_the_blocks_is_refused():
+def test_parameters_held_next_to_the_blocks_live_where_they_are_read():
     module = build_module("gpt", config={"num_layers": 4})
     module.model.scale = nn.Parameter(torch.ones(()))
+    module.model.unused = nn.Parameter(torch.ones(()))
+    forward = module.model.forward
+    module.model.forward = lambda idx: forward(idx) * module.model.scale  # read after the blocks
     path, blocks, trace = _trace(module)
-    with pytest.raises(ValueError, match=r"\['model.scale'\] are held directly by a module that also contains"):
-        plan_split(module, path, blocks, trace, num_stages=2)
+    split = plan_split(module, path, blocks, trace, num_stages=2)
+    assert split.direct == {"model.scale": (1,), "model.unused": (0,)}
+
+
+def test_a_module_called_between_blocks_lives_on_every_stage():
+    module = build_module("gpt", config={"num_layers": 4})
+    blocks, norm = module.model.blocks, module.model.ln_f
+    module.model.forward = lambda idx: module.model.head(norm(
+        blocks[3](blocks[2](norm(blocks[1](blocks[0](module.model.tok_emb(idx))))))))
+    path, _, trace = _trace(module)
+    assert trace.outer_calls["model.ln_f"] == {TRUNK, AFTER}
+    units = {unit.name: unit for unit in plan_split(module, path, find_block_list(module)[1], trace, 2).units}
+    assert units["model.ln_f"].stages == units["model.ln_f"].computes_on == (0, 1)
 
 
 def test_block_called_twice_is_refused():

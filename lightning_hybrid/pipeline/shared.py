@@ -1,0 +1,111 @@
+"""Parameters whose gradients the pipeline itself must combine after each step.
+
+Two kinds (:func:`shared_parameters`):
+
+* a parameter held on **several stages** (:mod:`lightning_hybrid.pipeline.split`): a weight tied between the
+  embedding and the head, a table read on both sides of the trunk. Each holding rank computes the gradient of its
+  own uses; the sum over the holders is the gradient of the whole model (Megatron's "embedding group", here on a
+  process group per set of holding stages). Both copies then take the same optimizer step and stay identical.
+* a parameter held **directly by a module that contains the blocks** (``self.pos_embed``): it sits in no stage
+  module, so FSDP2 does not reduce it; with data parallelism its gradient is averaged over the data-parallel ranks
+  here (and summed over its stages, if several).
+
+Groups are built once, by every rank in the same order (``torch.distributed.new_group`` is collective), over the
+ranks with the same data-parallel and tensor-parallel coordinates (FSDP2-managed parameters: their shards
+correspond) or the same tensor-parallel coordinate only (parameters outside FSDP2: replicated over data ranks).
+
+Example::
+
+    shared = shared_parameters(module, split, mesh, sharded=True)
+    combine_gradients(module, shared)          # after the schedule's backward, every step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_hybrid.mesh import DATA_REPLICATE, DATA_SHARD, PIPELINE
+from lightning_hybrid.pipeline.schedules import PipelineSchedule
+from lightning_hybrid.pipeline.split import StageSplit
+
+
+@dataclass
+class SharedParameter:
+    """One parameter the pipeline combines: its names (a tied weight has several; the first is canonical), the
+    group to sum over, what to divide the sum by (data-parallel averaging), and whether this rank counts it in the
+    total gradient norm (one rank per pipeline does)."""
+
+    names: tuple[str, ...]
+    group: Any
+    divide_by: int
+    counted_here: bool
+
+
+def shared_parameters(module: nn.Module, split: StageSplit, schedule: PipelineSchedule, mesh: DeviceMesh,
+                      sharded: bool) -> list[SharedParameter]:
+    """The parameters of ``module`` (the whole model, before the stages are installed) that this rank holds and
+    must combine; ``sharded``: FSDP2 manages the stage modules. Every rank calls it."""
+    stage_ranks, local = schedule.stage_ranks(), mesh[PIPELINE].get_local_rank()
+    data_size = mesh[DATA_REPLICATE].size() * mesh[DATA_SHARD].size()
+    combined = []
+    for names in _tied_names(module, split):
+        holders = tuple(sorted({stage_ranks[s] for s in split.parameter_stages[names[0]]}))
+        managed = sharded and not any(name in split.direct for name in names)
+        divide_by = 1 if managed else data_size
+        if len(holders) > 1 or divide_by > 1:
+            combined.append((names, holders, managed, divide_by))
+    groups = _groups(mesh, sorted({(holders, managed) for _, holders, managed, _ in combined}))
+    return [SharedParameter(names, groups[(holders, managed)], divide_by, local == holders[0])
+            for names, holders, managed, divide_by in combined if local in holders]
+
+
+def _tied_names(module: nn.Module, split: StageSplit) -> list[tuple[str, ...]]:
+    """The names of each parameter outside the blocks, grouped by identity, in a global order."""
+    by_identity: dict[int, list[str]] = {}
+    for name in split.parameter_stages:
+        by_identity.setdefault(id(module.get_parameter(name)), []).append(name)
+    return sorted(tuple(sorted(names)) for names in by_identity.values())
+
+
+def _groups(mesh: DeviceMesh, kinds: list[tuple[tuple[int, ...], bool]]) -> dict[tuple, Optional[Any]]:
+    """A process group per (holding pipeline ranks, FSDP-managed) kind, this rank's one of each (``None`` where it
+    is not a member): every rank creates every group, in the same order."""
+    ranks = mesh.mesh.permute(1, 2, 3, 0)  # (dp_replicate, dp_shard, tp, pp) → global rank
+    me = dist.get_rank()
+    found: dict[tuple, Optional[Any]] = {}
+    for holders, managed in kinds:
+        found[(holders, managed)] = None
+        if managed:  # same data and tensor coordinates: FSDP2 shards correspond
+            member_lists = [row[list(holders)].tolist() for row in ranks.reshape(-1, ranks.shape[-1])]
+        else:  # same tensor coordinate: replicated over the data ranks
+            by_tensor = ranks.permute(2, 0, 1, 3).reshape(ranks.shape[2], -1, ranks.shape[-1])
+            member_lists = [sorted(block[:, list(holders)].reshape(-1).tolist()) for block in by_tensor]
+        for members in member_lists:
+            group = dist.new_group(members) if len(members) > 1 else None
+            if me in members:
+                found[(holders, managed)] = group
+    return found
+
+
+def combine_gradients(module: nn.Module, shared: list[SharedParameter]) -> None:
+    """Sum each shared parameter's gradient over its group (and divide, for data-parallel averaging), in place.
+    Holders of one parameter all have its gradient (each reads it), so every member takes part."""
+    for entry in shared:
+        grad = module.get_parameter(entry.names[0]).grad if entry.group is not None else None
+        if grad is None:
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        dist.all_reduce(local, group=entry.group)
+        if entry.divide_by > 1:
+            local.div_(entry.divide_by)
+
+
+def counted_elsewhere(module: nn.Module, shared: list[SharedParameter]) -> set[int]:
+    """``id``\\ s of this rank's parameters that another rank of the pipeline counts in the gradient norm."""
+    return {id(module.get_parameter(entry.names[0])) for entry in shared if not entry.counted_here}

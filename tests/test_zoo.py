@@ -1,0 +1,86 @@
+"""The model zoo (``tests/zoo.py``): every family trains under every layout its sizes allow to the numbers of
+single-process Lightning. One launch per layout trains all its families (``--sweep`` entries name the model), and
+one launch per data-parallel size computes all their references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.parallel.parallelize import find_blocks
+from tests.helpers import assert_equivalent, cached_runs, run_sweep
+from tests.models import build_module
+
+RTOL = 1e-5
+#: Layout → the harness's arguments for it and the data-parallel size its reference must reproduce.
+LAYOUTS: dict[str, tuple[list[Any], int]] = {
+    "dp2": (["--dp", 2, "--devices", 2], 2),
+    "tp2": (["--tp", 2, "--devices", 2], 1),
+    "pp2": (["--pp", 2, "--devices", 2], 1),
+    "dp2_pp2": (["--dp", 2, "--pp", 2, "--devices", 4], 2),
+    "tp2_pp2": (["--tp", 2, "--pp", 2, "--devices", 4], 1),
+    "pp2_zbv": (["--pp", 2, "--devices", 2, "--strategy-kwargs", '{"pp_schedule": "zbv_zero_bubble"}'], 1),
+}
+#: Family → the layouts it is trained under.
+CASES: dict[str, tuple[str, ...]] = {
+    "titan": ("dp2", "tp2", "pp2"),
+    "flat": ("dp2",),
+    "root_params": ("pp2", "dp2_pp2", "tp2_pp2"),
+    "tied": ("pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv"),
+    "hf_gpt2": ("pp2", "dp2_pp2"),
+}
+
+
+def _models_under(layout: str) -> list[str]:
+    return [model for model, layouts in CASES.items() if layout in layouts]
+
+
+@pytest.fixture(scope="session")
+def zoo_references(tmp_path_factory: pytest.TempPathFactory):
+    """``zoo_references(dp_size)``: ``{family: reference result}`` for every family, from one launch."""
+
+    def run(dp_size: str, folder: Path) -> dict[str, dict]:
+        models = list(CASES)
+        results = run_sweep(["--reference", "--dp", dp_size, "--devices", 1, "--out", folder / "reference.pt"],
+                            [{"model": model} for model in models])
+        return dict(zip(models, results))
+
+    return cached_runs(run, tmp_path_factory, "zoo_reference")
+
+
+@pytest.fixture(scope="session")
+def zoo_runs(tmp_path_factory: pytest.TempPathFactory):
+    """``zoo_runs(layout)``: ``{family: result}`` for the families trained under ``layout``, from one launch."""
+
+    def run(layout: str, folder: Path) -> dict[str, dict]:
+        models = _models_under(layout)
+        results = run_sweep([*LAYOUTS[layout][0], "--out", folder / "run.pt"], [{"model": model} for model in models])
+        return dict(zip(models, results))
+
+    return cached_runs(run, tmp_path_factory, "zoo")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "layout"), [(m, layout) for m, layouts in CASES.items() for layout in layouts])
+def test_zoo_family_trains_like_single_device(model: str, layout: str, zoo_references, zoo_runs) -> None:
+    reference = zoo_references(str(LAYOUTS[layout][1]))[model]
+    assert_equivalent(reference, zoo_runs(layout)[model], rtol=RTOL)
+
+
+def test_data_parallelism_alone_needs_no_block_list() -> None:
+    flat = build_module("flat")
+    with pytest.warns(UserWarning, match=r"Could not find the repeated blocks of LMLightningModule.*one FSDP2 unit"):
+        assert len(find_blocks(flat, HybridOptions())) == 0
+    for needs_blocks in (dict(tp=2), dict(pp=2), dict(activation_checkpointing="every"), dict(tp="auto")):
+        with pytest.raises(ValueError, match=r"Could not find the repeated blocks .* HybridStrategy\(blocks="):
+            find_blocks(flat, HybridOptions(**needs_blocks))
+
+
+def test_blocks_in_a_module_dict_are_found_by_structure() -> None:
+    blocks = find_blocks(build_module("titan"), HybridOptions())
+    assert blocks.path == "model.layers" and blocks.keys == ("0", "1", "2", "3")
+    assert [blocks.name(i) for i in (0, 3)] == ["model.layers.0", "model.layers.3"]
+    assert type(blocks[2]).__name__ == "TitanBlock"

@@ -1,0 +1,219 @@
+"""Model families of the test zoo beyond ``tests/models.py``'s four: third-party code where a package ships it, and
+models written in styles no package ships. Each is built from a config (no downloads), has the harness's vocabulary
+(64) and sequence length (16), returns logits, and is written without any knowledge of parallelism.
+
+Every entry of :data:`ZOO` names its builder, the config field holding its number of blocks, and the layouts it is
+trained under against single-process Lightning (``tests/test_zoo.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+VOCAB, SEQ = 64, 16
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torchtitan-style Llama: blocks in an nn.ModuleDict keyed by layer id, a complex rotary buffer on the root
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class TitanConfig:
+    dim: int = 32
+    n_heads: int = 4
+    n_layers: int = 4
+    hidden: int = 64
+
+
+def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0) -> Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    return torch.polar(torch.ones(end, head_dim // 2), torch.outer(torch.arange(end).float(), freqs))
+
+
+def apply_rotary(x: Tensor, freqs_cis: Tensor) -> Tensor:
+    """``x`` of shape ``(B, T, H, D)`` rotated by complex multiplication, as torchtitan does."""
+    x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = torch.view_as_real(x_complex * freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, -1)).flatten(3)
+    return rotated.type_as(x)
+
+
+class TitanAttention(nn.Module):
+    def __init__(self, config: TitanConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.dim // config.n_heads
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, freqs_cis: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = (proj(x).view(b, t, -1, self.head_dim) for proj in (self.wq, self.wk, self.wv))
+        q, k = apply_rotary(q, freqs_cis), apply_rotary(k, freqs_cis)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, config: TitanConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim)
+        self.attention = TitanAttention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim)
+        self.w1 = nn.Linear(config.dim, config.hidden, bias=False)
+        self.w2 = nn.Linear(config.hidden, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.hidden, bias=False)
+
+    def forward(self, x: Tensor, freqs_cis: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs_cis)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TitanLlama(nn.Module):
+    def __init__(self, config: TitanConfig) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, config.dim)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(config.dim // config.n_heads, SEQ), persistent=True)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(config) for i in range(config.n_layers)})
+        self.norm = nn.RMSNorm(config.dim)
+        self.output = nn.Linear(config.dim, VOCAB, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# No repeated blocks at all: data parallelism must still shard it (one FSDP2 unit)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class FlatConfig:
+    dim: int = 32
+    n_layers: int = 1  # unused: the model has no block list
+
+
+class FlatLM(nn.Module):
+    """Embedding, one attention-free mixing layer and a gated MLP written inline, head: nothing repeats."""
+
+    def __init__(self, config: FlatConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, config.dim)
+        self.mix = nn.Linear(SEQ, SEQ)  # mixes positions (causality does not matter for the test)
+        self.up = nn.Linear(config.dim, 2 * config.dim)
+        self.down = nn.Linear(config.dim, config.dim)
+        self.head = nn.Linear(config.dim, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        x = x + self.mix(x.transpose(1, 2)).transpose(1, 2) / math.sqrt(SEQ)
+        gate, value = self.up(x).chunk(2, dim=-1)
+        x = x + self.down(F.silu(gate) * value)
+        return self.head(x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameters outside any submodule, tied weights, attributes of modules read across the trunk
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class SmallConfig:
+    dim: int = 32
+    n_heads: int = 4
+    n_layers: int = 4
+
+
+class PlainBlock(nn.Module):
+    """Pre-norm attention + MLP with separate projections; head counts read from attributes."""
+
+    def __init__(self, config: SmallConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.dim // config.n_heads
+        self.norm1, self.norm2 = nn.LayerNorm(config.dim), nn.LayerNorm(config.dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(config.dim, config.dim) for _ in range(4))
+        self.up, self.down = nn.Linear(config.dim, 2 * config.dim), nn.Linear(2 * config.dim, config.dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.o(attended)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class RootParametersLM(nn.Module):
+    """Learned position table and scales held directly by the model, next to its blocks: ``pos`` is read before
+    the blocks, ``out_scale`` after them, ``temperature`` on both sides (a table tied across the trunk)."""
+
+    def __init__(self, config: SmallConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, config.dim)
+        self.pos = nn.Parameter(0.02 * torch.randn(SEQ, config.dim))
+        self.temperature = nn.Parameter(torch.ones(()))
+        self.out_scale = nn.Parameter(torch.ones(config.dim))
+        self.blocks = nn.ModuleList(PlainBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.dim)
+        self.head = nn.Linear(config.dim, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = (self.embed(tokens) + self.pos[: tokens.shape[1]]) * self.temperature
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x) * self.out_scale) / self.temperature
+
+
+class TiedLM(nn.Module):
+    """GPT-2-style tying: the output head is the token embedding (``head.weight is embed.weight``); the forward
+    also reads attributes of modules that live on the other side of the trunk (a weight's dtype, a width)."""
+
+    def __init__(self, config: SmallConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, config.dim)
+        self.pos = nn.Embedding(SEQ, config.dim)
+        self.blocks = nn.ModuleList(PlainBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.dim)
+        self.head = nn.Linear(config.dim, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        # Read on every stage, wherever the head and the norm live (a vision transformer reads its patch
+        # projection's dtype the same way).
+        x = (self.embed(tokens) + self.pos(positions)).to(self.head.weight.dtype) * self.norm.weight.shape[0] ** 0
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def hugging_face_gpt2(config: dict[str, Any]) -> nn.Module:
+    """An unmodified ``transformers.GPT2LMHeadModel``: ``Conv1D`` layers, fused ``c_attn``, tied ``lm_head``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    settings = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
+                    embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(GPT2Config(**{**settings, **config}))
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """A family: how to build it from config overrides, and its number-of-blocks field."""
+
+    build: Callable[[dict[str, Any]], nn.Module]
+    layers_field: str
+
+
+ZOO: dict[str, ZooEntry] = {
+    "titan": ZooEntry(lambda config: TitanLlama(TitanConfig(**config)), "n_layers"),
+    "flat": ZooEntry(lambda config: FlatLM(FlatConfig(**config)), "n_layers"),
+    "root_params": ZooEntry(lambda config: RootParametersLM(SmallConfig(**config)), "n_layers"),
+    "tied": ZooEntry(lambda config: TiedLM(SmallConfig(**config)), "n_layers"),
+    "hf_gpt2": ZooEntry(hugging_face_gpt2, "n_layer"),
+}
