@@ -132,3 +132,36 @@ def test_rank_killed_mid_save_leaves_no_checkpoint_that_looks_complete(tmp_path:
     # The resumed run saved again at step 8, over the debris of the crashed save.
     assert (folder / "epoch=1-step=8.ckpt" / "meta.pt").is_file()
     assert not (folder / "epoch=1-step=8.ckpt.partial").exists()
+
+
+# ------------------------------------------------------------------------------------------------ tied weights
+def _tied_run(layout: list, out: Path, *extra: object) -> dict:
+    return run_script(["--model", "tied", *layout, *extra, "--out", out])
+
+
+@pytest.fixture(scope="module")
+def tied_source(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted dp2 × pp2 run of the tied model, checkpointed at the end of epoch 0."""
+    folder = tmp_path_factory.mktemp("tied_source")
+    result = _tied_run(["--dp", 2, "--pp", 2, "--devices", 4], folder / "run.pt", "--checkpoint-dir",
+                       folder / "checkpoints")
+    return {"result": result, "checkpoint": folder / "checkpoints" / "epoch=0-step=4.ckpt"}
+
+
+@pytest.mark.parametrize("target", [["--pp", 2, "--devices", 2], ["--dp", 2, "--devices", 2]])
+def test_a_weight_tied_across_stages_is_saved_once_per_name_and_resumes_under_another_layout(
+    target: list, tied_source: dict, tmp_path: Path
+) -> None:
+    """The tied model's embedding and head share one weight, held on the first and the last stage of dp2 × pp2:
+    the checkpoint holds it under both names (as the unmodified module's state dict does), equal, and a pipeline
+    of another shape or no pipeline at all resumes from it."""
+    checkpoint = tied_source["checkpoint"]
+    saved = load_module_state(checkpoint)
+    assert torch.equal(saved["model.embed.weight"], saved["model.head.weight"])
+    resumed = _tied_run(target, tmp_path / "resumed.pt", "--ckpt-path", checkpoint)
+    for name, tensor in resumed["initial_params"].items():
+        assert torch.equal(saved[name], tensor), name
+    losses, params = _differences(tied_source["result"], resumed)
+    print(f"tied dp2_pp2 -> {target}: losses max rel {losses:.2e}, params max rel {params:.2e}")
+    assert losses <= 1e-5 and params <= 1e-5
+    assert torch.equal(resumed["params"]["model.embed.weight"], resumed["params"]["model.head.weight"])
