@@ -35,6 +35,7 @@ from lightning_hybrid.checkpoint import lightning_io
 from lightning_hybrid.checkpoint.resume import SamplerEpochOnResume
 from lightning_hybrid.first_step import run_first_step
 from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.metrics import sync_over
 from lightning_hybrid.observe.monitor import ParallelMonitor
 from lightning_hybrid.options import Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
@@ -200,6 +201,7 @@ class HybridStrategy(ModelParallelStrategy):
                 accept_user_parallelism(self.model, self.options, self.root_device)
             else:
                 self._parallelize(trainer)
+        sync_over(self.lightning_module, self.data_mesh.get_group())  # torchmetrics: each replica counted once
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -222,10 +224,9 @@ class HybridStrategy(ModelParallelStrategy):
         if not any(p.is_meta for p in module.parameters()):
             module.to(self.root_device)
         blocks = find_blocks(module, self.options)
-        blocks_path = blocks.path
-        block_call = self._choose_layout(trainer, module, blocks_path, blocks) if self.dims is None else None
+        block_call = self._choose_layout(trainer, module, blocks.path, blocks) if self.dims is None else None
         assert self.dims is not None
-        result = parallelize(module, blocks_path, blocks, self.device_mesh, self.dims, self.options,
+        result = parallelize(module, blocks.path, blocks, self.device_mesh, self.dims, self.options,
                              precision=str(self.precision_plugin.precision), device=self.root_device,
                              run_step=lambda microbatches=1: run_first_step(trainer, self.root_device, microbatches),
                              block_call=block_call)

@@ -176,6 +176,9 @@ class RecordCallback(pl.Callback):
         #: model FLOPs of the second batch (3 × its forward FLOPs, counted by torch's FlopCounterMode).
         self.grad_norms: list[float] = []
         self.model_flops = 0.0
+        #: Values of the torchmetrics metrics the module logs (``--module-kwargs '{"log_metrics": true}'``), as
+        #: Lightning shows them: ``"<when>:<name>"`` → one value per batch (step), epoch or validation.
+        self.metric_values: dict[str, list[float]] = {}
         self._flop_counter: FlopCounterMode | None = None
         self._linear_calls = 0
         self._linear_hooks: list[Any] = []
@@ -196,6 +199,15 @@ class RecordCallback(pl.Callback):
         self.losses.append(self._scalar(trainer.callback_metrics["train_loss"]))
         self.tokens.append(self._scalar(trainer.callback_metrics["tokens"]))
         self.step_outputs.append(self._scalar(outputs["loss"]))
+        self._record_metrics(trainer, "step")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record_metrics(trainer, "epoch")
+
+    def _record_metrics(self, trainer: pl.Trainer, when: str) -> None:
+        for name, value in trainer.callback_metrics.items():
+            if name.endswith(("_acc", "_acc_step", "_acc_epoch")):
+                self.metric_values.setdefault(f"{when}:{name}", []).append(self._scalar(value))
 
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -224,6 +236,7 @@ class RecordCallback(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.val_losses.append(self._scalar(trainer.callback_metrics["val_loss"]))
+            self._record_metrics(trainer, "validation")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_step = trainer.global_step
@@ -398,6 +411,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--user-parallel", action="store_true",
                         help="the module applies FSDP2 itself in configure_model (HybridStrategy must respect it)")
     parser.add_argument("--tensorboard", type=Path, help="log to a TensorBoardLogger in this folder, every batch")
+    parser.add_argument("--module-kwargs", type=json.loads, default={},
+                        help="extra LMLightningModule keyword arguments, as JSON (also per --sweep entry: 'module')")
     parser.add_argument(
         "--sweep", type=json.loads,
         help="JSON list of HybridStrategy keyword dicts: train once per entry in the same processes (saving"
@@ -498,15 +513,17 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
     ``--model`` (several zoo families in one launch); its other keys are HybridStrategy arguments."""
     start = time.perf_counter()
     recorded_entry = sweep_entry
-    if "model" in sweep_entry:
-        sweep_entry = {k: v for k, v in sweep_entry.items() if k != "model"}
-        args = argparse.Namespace(**{**vars(args), "model": recorded_entry["model"]})
+    if "model" in sweep_entry or "module" in sweep_entry:
+        sweep_entry = {k: v for k, v in sweep_entry.items() if k not in ("model", "module")}
+        module_kwargs = {**args.module_kwargs, **recorded_entry.get("module", {})}
+        args = argparse.Namespace(**{**vars(args), "model": recorded_entry.get("model", args.model),
+                                     "module_kwargs": module_kwargs})
 
     config = {} if args.layers is None else {LAYERS_FIELD[args.model]: args.layers}
     module = (
         UserParallelModule(args.model, seed=args.seed)
         if args.user_parallel
-        else build_module(args.model, seed=args.seed, config=config, init=args.init)
+        else build_module(args.model, seed=args.seed, config=config, init=args.init, **args.module_kwargs)
     )
     train, val = make_dataloaders(args)
     recorder = RecordCallback()
@@ -579,6 +596,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "grads_after_backward": recorder.grads_after_backward,
             "learning_rates": recorder.learning_rates,
             "grad_norms": recorder.grad_norms,
+            "metric_values": recorder.metric_values,
             "model_flops": recorder.model_flops,
             "rank_parameter_counts": recorder.rank_parameter_counts,
             "global_step": fit_step,

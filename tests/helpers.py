@@ -221,6 +221,15 @@ def assert_equivalent(ref: dict[str, Any], par: dict[str, Any], rtol: float = 1e
     )
     if single_replica and outputs_differ:
         problems.append(f"training_step outputs seen by callbacks differ: {outputs_ref} vs {outputs_par}")
+    # A metric's on_step value is the rank's own batch in Lightning (torchmetrics syncs at compute()): with data
+    # parallelism only the epoch values are the global ones.
+    metric_keys = ref.get("metric_values", {}).keys() | par.get("metric_values", {}).keys()
+    if not single_replica:
+        metric_keys = {key for key in metric_keys if key.endswith("_epoch") or key.startswith("validation:val_")}
+    for key in metric_keys:
+        want, got = ref.get("metric_values", {}).get(key, []), par.get("metric_values", {}).get(key, [])
+        if len(want) != len(got) or any(not abs(a - b) <= rtol * max(abs(a), 1e-12) for a, b in zip(want, got)):
+            problems.append(f"logged metric {key} differs: {want} vs {got}")
     if ref.get("tokens") != par.get("tokens"):
         problems.append(f"summed metric 'tokens' differs: {ref.get('tokens')} vs {par.get('tokens')}")
     if "test_loss" in ref and not abs(ref["test_loss"] - par["test_loss"]) <= rtol * abs(ref["test_loss"]):

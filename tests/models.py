@@ -440,9 +440,15 @@ class LMLightningModule(pl.LightningModule):
         adam_eps: float = 1e-5,
         config: dict[str, Any] | None = None,
         init: Literal["eager", "meta", "per_module"] = "eager",
+        log_metrics: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if log_metrics:  # Lightning's documented way: the torchmetrics object itself goes to self.log
+            from torchmetrics.classification import MulticlassAccuracy
+
+            self.train_acc = MulticlassAccuracy(num_classes=64, average="micro")
+            self.val_acc = MulticlassAccuracy(num_classes=64, average="micro")
         if model not in ALL_MODEL_NAMES:
             raise ValueError(f"unknown model {model!r}; expected one of {ALL_MODEL_NAMES}")
         self.model: nn.Module | None = None
@@ -478,22 +484,25 @@ class LMLightningModule(pl.LightningModule):
         output = self.model(idx)
         return getattr(output, "logits", output)  # Hugging Face models return an output object
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+    def _loss(self, batch: tuple[Tensor, Tensor], accuracy: Any = None, name: str = "") -> Tensor:
         inputs, targets = batch
         logits = self(inputs)
+        if accuracy is not None:
+            accuracy(logits.argmax(-1).reshape(-1), targets.reshape(-1))
+            self.log(name, accuracy, on_step=name.startswith("train"), on_epoch=True)
         # Mean over all B*T tokens of this rank's batch. Every data-parallel rank has the same batch size, so
         # the mean over ranks equals the mean over the global batch (what a single process computes).
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
+        loss = self._loss(batch, getattr(self, "train_acc", None), "train_acc")
         self.log("train_loss", loss, sync_dist=True, on_step=True)
         # A summed metric: over data-parallel ranks it must add up to the global batch, whatever tp/pp are.
         self.log("tokens", float(batch[1].numel()), sync_dist=True, on_step=True, reduce_fx="sum")
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), sync_dist=True)
+        self.log("val_loss", self._loss(batch, getattr(self, "val_acc", None), "val_acc"), sync_dist=True)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.log("test_loss", self._loss(batch), sync_dist=True)

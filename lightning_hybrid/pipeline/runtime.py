@@ -50,6 +50,13 @@ from lightning_hybrid.pipeline.semantics import (
     to_cpu,
 )
 from lightning_hybrid.mesh import PIPELINE
+from lightning_hybrid.metrics import (
+    MetricCall,
+    MetricRef,
+    combine_metric_calls,
+    recording_metric_calls,
+    replay_metric_calls,
+)
 from lightning_hybrid.pipeline.shared import SharedParameter, combine_gradients, counted_elsewhere, shared_parameters
 from lightning_hybrid.pipeline.split import StageSplit, plan_split
 from lightning_hybrid.pipeline.trace import trace_step
@@ -122,6 +129,7 @@ class Pipeline:
         self._loss_scale = 1.0
         self._microbatch_outputs: list[Any] = []
         self._microbatch_logs: list[list[tuple[str, Any, dict]]] = []
+        self._microbatch_metric_calls: list[list[MetricCall]] = []
         self._step_gradients: list[tuple[nn.Parameter, Optional[Tensor]]] = []
         self._recorder = StepRecorder(device)
         #: The last recorded training step of this rank (see :class:`StepTimeline`).
@@ -204,14 +212,16 @@ class Pipeline:
         blocks = self.split.block_range(stage)
         self._dispatcher.active = ActiveStage(stage, blocks, stage == 0, stage == self.split.num_stages - 1, received)
         logs: list[tuple[str, Any, dict]] = []
+        metric_calls: list[MetricCall] = []
         try:
-            with recording_logs(self.module, logs):
+            with recording_logs(self.module, logs), recording_metric_calls(self.module, metric_calls):
                 output = getattr(self.module, self._step_name)(batch, *step_args, **step_kwargs)
         except StageOutput as done:
             return tuple(t for t in tree_flatten(done.output)[0] if isinstance(t, Tensor))
         finally:
             self._dispatcher.end_stage()
         self._microbatch_logs.append(logs)
+        self._microbatch_metric_calls.append(metric_calls)
         self._microbatch_outputs.append(tree_map(detached, output))
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if self._step_name == "training_step":
@@ -232,7 +242,7 @@ class Pipeline:
         schedule = self._schedule_for(training, batch)
         self._step_name = step_name
         self._loss_scale = 1.0 / (microbatches * self.module.trainer.accumulate_grad_batches) if training else 1.0
-        self._microbatch_outputs, self._microbatch_logs = [], []
+        self._microbatch_outputs, self._microbatch_logs, self._microbatch_metric_calls = [], [], []
         target = torch.arange(microbatches, device=self._device)  # unused by the loss: one entry per microbatch
         parameters = [p for p in self.module.parameters() if p.requires_grad]
         kept = [p.grad for p in parameters]
@@ -253,10 +263,13 @@ class Pipeline:
             self._step_gradients = [(p, p.grad) for p in parameters] if training else []
             for parameter, grad in zip(parameters, kept):
                 parameter.grad = grad
-        output, logs = self._broadcast_from_last_stage(step_name)
+        output, logs, metric_calls = self._broadcast_from_last_stage(step_name)
         if timed:
             self.last_timeline = self._recorder.timeline(self._pp_rank)
+        replay_metric_calls(self.module, metric_calls, self._device)  # every rank's metrics as one device's
         for name, value, log_kwargs in logs:
+            if isinstance(value, MetricRef):
+                value = self.module.get_submodule(value.name)
             original_log(self.module)(name, value, **log_kwargs)
         return output
 
@@ -296,14 +309,15 @@ class Pipeline:
             self._schedules[key] = schedule
         return self._schedules[key]
 
-    def _broadcast_from_last_stage(self, step_name: str) -> tuple[Any, list]:
-        """The last stage's combined output and log calls, sent to every rank of this pipeline."""
+    def _broadcast_from_last_stage(self, step_name: str) -> tuple[Any, list, list[MetricCall]]:
+        """The last stage's combined output, log calls and metric calls, sent to every rank of this pipeline."""
         payload: list[Any] = [None]
         if dist.get_rank() == self._last_stage_rank:
             count = self.schedule.microbatches
             # A new schedule's first step also ran each stage once to infer shapes: keep the real microbatches.
             outputs, logs = self._microbatch_outputs[-count:], self._microbatch_logs[-count:]
-            payload = [(tree_map(to_cpu, combine_outputs(outputs, step_name)), combine_logs(logs))]
+            metric_calls = combine_metric_calls(self._microbatch_metric_calls[-count:])
+            payload = [(tree_map(to_cpu, combine_outputs(outputs, step_name)), combine_logs(logs), metric_calls)]
         dist.broadcast_object_list(payload, src=self._last_stage_rank, group=self._group)
-        output, logs = payload[0]
-        return tree_map(lambda v: v.to(self._device) if isinstance(v, Tensor) else v, output), logs
+        output, logs, metric_calls = payload[0]
+        return tree_map(lambda v: v.to(self._device) if isinstance(v, Tensor) else v, output), logs, metric_calls

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_hybrid._compat import tree_flatten, tree_unflatten
+from lightning_hybrid.metrics import MetricRef, metrics_of, recording_metric_calls
 from lightning_hybrid.parallel.blocks import detached
 
 
@@ -76,6 +77,9 @@ def combine_logs(per_microbatch: list[list[tuple[str, Any, dict]]]) -> list[tupl
     combined = []
     for name, entries in calls.items():
         kwargs = dict(entries[-1][1])
+        if isinstance(entries[-1][0], MetricRef):  # the metric itself: its calls are replayed, then it is logged
+            combined.append((name, entries[-1][0], kwargs))
+            continue
         reduce = _reduction(kwargs.get("reduce_fx", "mean"), name)
         values = torch.stack([torch.as_tensor(to_cpu(v), dtype=torch.float64) for v, _ in entries])
         value = reduce(values, 0)
@@ -100,15 +104,19 @@ def _reduction(reduce_fx: Any, name: str) -> Callable[..., Tensor]:
 
 @contextlib.contextmanager
 def recording_logs(module: Any, logs: list) -> Iterator[None]:
-    """Collect ``self.log(name, value, ...)`` calls of the step instead of logging them."""
+    """Collect ``self.log(name, value, ...)`` calls of the step instead of logging them (a torchmetrics ``Metric``
+    as a :class:`~lightning_hybrid.metrics.MetricRef` to it)."""
+    metric_names = {id(metric): name for name, metric in metrics_of(module).items()}
 
     def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:
             raise TypeError("With pp > 1, pass self.log options by keyword (e.g. self.log(name, value, sync_dist=True)).")
-        if not isinstance(value, (Tensor, float, int)):
+        if id(value) in metric_names:
+            value = MetricRef(metric_names[id(value)])
+        elif not isinstance(value, (Tensor, float, int)):
             raise TypeError(
-                f"self.log({name!r}, ...) got a {type(value).__name__}: with pp > 1 only tensors and numbers can be"
-                " logged from a pipelined step (the strategy combines them over microbatches)."
+                f"self.log({name!r}, ...) got a {type(value).__name__}: with pp > 1 only tensors, numbers and"
+                " torchmetrics metrics of the module can be logged from a pipelined step."
             )
         logs.append((name, detached(value), kwargs))
 
@@ -126,6 +134,7 @@ def original_log(module: Any) -> Callable[..., None]:
 
 @contextlib.contextmanager
 def muted_logs(module: Any) -> Iterator[None]:
-    """Run a step outside Lightning's loops (setup-time tracing) with its ``self.log`` calls ignored."""
-    with recording_logs(module, []):
+    """Run a step outside Lightning's loops (setup-time tracing) with its ``self.log`` calls ignored and its
+    torchmetrics metrics left unchanged."""
+    with recording_logs(module, []), recording_metric_calls(module, []):
         yield
