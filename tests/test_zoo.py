@@ -23,14 +23,15 @@ LAYOUTS: dict[str, tuple[list[Any], int]] = {
     "dp2_pp2": (["--dp", 2, "--pp", 2, "--devices", 4], 2),
     "tp2_pp2": (["--tp", 2, "--pp", 2, "--devices", 4], 1),
     "pp2_zbv": (["--pp", 2, "--devices", 2, "--strategy-kwargs", '{"pp_schedule": "zbv_zero_bubble"}'], 1),
+    "dp2_tp2_pp2": (["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8], 2),
 }
 #: Family → the layouts it is trained under.
 CASES: dict[str, tuple[str, ...]] = {
-    "titan": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2"),
+    "titan": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "flat": ("dp2",),
-    "root_params": ("pp2", "dp2_pp2", "tp2_pp2"),
-    "tied": ("pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv"),
-    "hf_gpt2": ("pp2", "dp2_pp2"),
+    "root_params": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
+    "tied": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
+    "hf_gpt2": ("dp2", "pp2", "dp2_pp2", "pp2_zbv"),
 }
 
 
@@ -96,3 +97,51 @@ def test_blocks_in_a_module_dict_are_found_by_structure() -> None:
     assert blocks.path == "model.layers" and blocks.keys == ("0", "1", "2", "3")
     assert [blocks.name(i) for i in (0, 3)] == ["model.layers.0", "model.layers.3"]
     assert type(blocks[2]).__name__ == "TitanBlock"
+
+
+# ------------------------------------------------------------------------------------------ the README's table
+#: Family × layout → what stops it before training (and the message that says so), for layouts not yet supported.
+REFUSED: dict[tuple[str, str], tuple[str, str]] = {
+    ("hf_gpt2", "tp2"): ("Conv1D", r"cannot shard Conv1D 'attn.c_attn'.*tp_plan="),
+}
+#: How each family is described in the README.
+DESCRIPTIONS = {
+    "titan": "torchtitan-style Llama (ModuleDict blocks, complex rotary buffer, torchmetrics logged)",
+    "flat": "no repeated blocks (dp only)",
+    "root_params": "parameters held by the model next to its blocks",
+    "tied": "tied embedding/head, attributes read across stages",
+    "hf_gpt2": "Hugging Face GPT-2 (Conv1D, fused c_attn, tied head)",
+}
+
+
+def tested_models_table() -> str:
+    """The README's "Tested models" table: ✓ = trains like single-process Lightning (tests above), a word = stops
+    before training with a message naming the module and the fix."""
+    header = "| model | " + " | ".join(LAYOUTS) + " |"
+    lines = [header, "|" + " --- |" * (len(LAYOUTS) + 1)]
+    for model, layouts in CASES.items():
+        cells = ["✓" if layout in layouts else f"clear error ({REFUSED[(model, layout)][0]})"
+                 if (model, layout) in REFUSED else "–" for layout in LAYOUTS]
+        lines.append(f"| {DESCRIPTIONS[model]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def test_the_readme_table_is_the_zoo() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert tested_models_table() in readme, "regenerate it: python -c 'from tests.test_zoo import *; print(tested_models_table())'"
+
+
+@pytest.mark.parametrize(("model", "layout"), list(REFUSED))
+def test_unsupported_combinations_stop_with_a_message_naming_the_module(model: str, layout: str) -> None:
+    import torch
+
+    from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+    from lightning_hybrid.parallel.dataflow import trace_block
+    from lightning_hybrid.parallel.tp_plan import plan_block
+
+    module = build_module(model)
+    _, blocks = find_block_list(module)
+    tokens = torch.randint(0, 64, (2, 16))
+    args, kwargs = capture_block_call(blocks[0], lambda: module(tokens))
+    with pytest.raises(ValueError, match=REFUSED[(model, layout)][1]):
+        plan_block(blocks[0], trace_block(blocks[0], args, kwargs), 2)

@@ -137,9 +137,9 @@ def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, 
     # provides here: bf16-mixed's policy and CPU offload.
     sharded = fsdp_mesh.size() > 1 or options.offload or precision == "bf16-mixed"
     if pipeline is not None:
-        install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None)
+        install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None, mesh["dp"].get_group())
     elif sharded:
-        apply_fsdp(module, blocks, fsdp_mesh, fsdp_options)
+        apply_fsdp(module, blocks, fsdp_mesh, fsdp_options, data_group=mesh["dp"].get_group())
     mesh_shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
     if sharded:
         rank_zero_info(f"HybridStrategy: FSDP2 (ZeRO-{options.zero}) over {len(blocks)} blocks of '{blocks_path}',"
@@ -150,14 +150,14 @@ def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, 
 
 
 def install_stages(pipeline: Pipeline, blocks: BlockList, fsdp_mesh: DeviceMesh,
-                   fsdp_options: Optional[FSDPOptions]) -> None:
+                   fsdp_options: Optional[FSDPOptions], data_group: Any = None) -> None:
     """Build this rank's stage modules; with ``fsdp_options``, FSDP2 per block of each local stage, each stage
-    module the root of its own units."""
+    module the root of its own units (``data_group``: all data-parallel ranks, see :func:`apply_fsdp`)."""
     pipeline.install(sharded=fsdp_options is not None)
     if fsdp_options is not None:
         for stage, stage_module in pipeline.stage_modules.items():
             stage_blocks = [blocks[i] for i in pipeline.split.block_range(stage)]
-            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options)
+            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options, data_group=data_group)
     pipeline.route_units()
 
 

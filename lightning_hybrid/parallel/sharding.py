@@ -28,10 +28,12 @@ for its all-gather and gradients copied back after the reduce-scatter, and the o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -64,11 +66,15 @@ class FSDPOptions:
         return CPUOffloadPolicy(pin_memory=device_type == "cuda") if self.offload else OffloadPolicy()
 
 
-def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, options: FSDPOptions) -> None:
+def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, options: FSDPOptions,
+               data_group: Any = None) -> None:
     """Shard each block as one FSDP2 unit, then the root (embeddings, final norm, head and anything left).
 
-    ``mesh`` is the data-parallel mesh: 1-D for plain sharding, 2-D ``(replicate, shard)`` for HSDP.
+    ``mesh`` is the data-parallel mesh: 1-D for plain sharding, 2-D ``(replicate, shard)`` for HSDP. FSDP2 refuses
+    scalar (0-dimensional) parameters (a learned temperature, a logit scale): they stay whole on every rank and
+    their gradients are averaged over ``data_group`` (all data-parallel ranks) as they are computed.
     """
+    scalars = {p for p in root.parameters() if p.dim() == 0}
     common = dict(
         mesh=mesh,
         mp_policy=options.mixed_precision,
@@ -76,10 +82,21 @@ def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, o
         shard_placement_fn=_shard_placement,
     )
     for block in blocks:
-        fully_shard(block, reshard_after_forward=options.zero == 3, **common)
+        fully_shard(block, reshard_after_forward=options.zero == 3, ignored_params=scalars & set(block.parameters()),
+                    **common)
     # The root is gathered for the embedding at the start of forward and needed again at once by the head and
     # in backward, so resharding it after forward would only add an all-gather.
-    fully_shard(root, reshard_after_forward=False, **common)
+    fully_shard(root, reshard_after_forward=False, ignored_params=scalars, **common)
+    for parameter in scalars:
+        if parameter.requires_grad:
+            parameter.register_hook(functools.partial(_average_over, data_group))
+
+
+def _average_over(group: Any, grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's mean over the data-parallel ranks (what FSDP2 gives the parameters it shards)."""
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad / dist.get_world_size(group)
 
 
 def _shard_placement(parameter: nn.Parameter) -> Shard | None:
