@@ -132,7 +132,7 @@ class ThreeLayerMLP(nn.Module):
 
 
 class Conv1D(nn.Module):
-    """GPT-2's transposed linear (weight ``[in, out]``), which the planner does not shard on its own."""
+    """GPT-2's transposed linear (weight ``[in, out]``, applied as ``x @ w``)."""
 
     def __init__(self, nx: int, nf: int) -> None:
         super().__init__()

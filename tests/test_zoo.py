@@ -31,7 +31,8 @@ CASES: dict[str, tuple[str, ...]] = {
     "flat": ("dp2",),
     "root_params": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "tied": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
-    "hf_gpt2": ("dp2", "pp2", "dp2_pp2", "pp2_zbv"),
+    "hf_gpt2": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
+    "fused_gqa": ("dp2", "pp2", "dp2_pp2"),
 }
 
 
@@ -102,7 +103,8 @@ def test_blocks_in_a_module_dict_are_found_by_structure() -> None:
 # ------------------------------------------------------------------------------------------ the README's table
 #: Family × layout → what stops it before training (and the message that says so), for layouts not yet supported.
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {
-    ("hf_gpt2", "tp2"): ("Conv1D", r"cannot shard Conv1D 'attn.c_attn'.*tp_plan="),
+    ("fused_gqa", "tp2"): ("fused q/k/v of unequal pieces", r"'qkv' is a fused projection whose output is split into"
+                                                            r" unequal pieces \[32, 16, 16\].*tp_plan="),
 }
 #: How each family is described in the README.
 DESCRIPTIONS = {
@@ -111,6 +113,7 @@ DESCRIPTIONS = {
     "root_params": "parameters held by the model next to its blocks",
     "tied": "tied embedding/head, attributes read across stages",
     "hf_gpt2": "Hugging Face GPT-2 (Conv1D, fused c_attn, tied head)",
+    "fused_gqa": "litgpt-style fused q/k/v with grouped-query attention",
 }
 
 

@@ -193,6 +193,45 @@ class TiedLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class FusedGQABlock(nn.Module):
+    """litgpt-style grouped-query attention with one fused ``qkv`` projection of unequal pieces (q: all heads, k
+    and v: the key/value groups), then a plain MLP."""
+
+    def __init__(self, config: SmallConfig, n_kv: int = 2) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = config.n_heads, n_kv, config.dim // config.n_heads
+        self.norm1, self.norm2 = nn.LayerNorm(config.dim), nn.LayerNorm(config.dim)
+        self.qkv = nn.Linear(config.dim, (config.n_heads + 2 * n_kv) * self.head_dim)
+        self.proj = nn.Linear(config.dim, config.dim)
+        self.up, self.down = nn.Linear(config.dim, 2 * config.dim), nn.Linear(2 * config.dim, config.dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (z.view(b, t, self.n_kv, self.head_dim).transpose(1, 2) for z in (k, v))
+        k, v = (z.repeat_interleave(self.n_heads // self.n_kv, dim=1) for z in (k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.proj(attended)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class FusedGQALM(nn.Module):
+    def __init__(self, config: SmallConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, config.dim)
+        self.blocks = nn.ModuleList(FusedGQABlock(config) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.dim)
+        self.head = nn.Linear(config.dim, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 def hugging_face_gpt2(config: dict[str, Any]) -> nn.Module:
     """An unmodified ``transformers.GPT2LMHeadModel``: ``Conv1D`` layers, fused ``c_attn``, tied ``lm_head``."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -216,4 +255,5 @@ ZOO: dict[str, ZooEntry] = {
     "root_params": ZooEntry(lambda config: RootParametersLM(SmallConfig(**config)), "n_layers"),
     "tied": ZooEntry(lambda config: TiedLM(SmallConfig(**config)), "n_layers"),
     "hf_gpt2": ZooEntry(hugging_face_gpt2, "n_layer"),
+    "fused_gqa": ZooEntry(lambda config: FusedGQALM(SmallConfig(**config)), "n_layers"),
 }

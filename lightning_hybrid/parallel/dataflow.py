@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -38,12 +39,17 @@ _RESHAPE_FUNCTIONS = {torch.reshape, torch.Tensor.reshape, torch.Tensor.view, to
 
 @dataclass
 class LinearUse:
-    """One ``nn.Linear`` call inside the traced block."""
+    """One call of a linear layer inside the traced block: an ``nn.Linear``, or any layer holding just a 2-D
+    ``weight`` (and a 1-D ``bias``) that maps the input's last dimension to the output's through it."""
 
     name: str
-    module: nn.Linear
+    module: nn.Module
     #: Nearest sources of the layer's input: names of other linear layers and ``"argN"`` for block arguments.
     sources: frozenset[str]
+    in_features: int = 0
+    out_features: int = 0
+    #: The weight is stored ``(in, out)`` and applied as ``x @ weight`` (Hugging Face's ``Conv1D``).
+    transposed: bool = False
 
 
 @dataclass
@@ -76,13 +82,15 @@ class BlockTrace:
 
 
 class _SourceTracker(TorchFunctionMode):
-    """Labels each tensor produced inside the mode with the union of its inputs' labels."""
+    """Labels each tensor produced inside the mode with the union of its inputs' labels, and notes how each
+    watched weight is applied (``weight_uses``: ``id`` → ``False`` for ``F.linear(x, w)``, ``True`` for ``x @ w``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._labels: dict[int, frozenset[str]] = {}
         self._alive: list[torch.Tensor] = []  # keeps labelled tensors alive so that their ids stay unique
         self.on_call: Callable[[Any, tuple, dict, Any, frozenset[str]], None] | None = None
+        self.weight_uses: dict[int, bool | None] = {}
 
     def label(self, tensor: torch.Tensor, sources: frozenset[str]) -> None:
         self._labels[id(tensor)] = sources
@@ -98,6 +106,7 @@ class _SourceTracker(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self._note_weight_use(func, args)
         out = func(*args, **kwargs)
         sources = self.sources_of((args, kwargs))
         if sources:
@@ -107,6 +116,59 @@ class _SourceTracker(TorchFunctionMode):
                 if isinstance(leaf, torch.Tensor):
                     self.label(leaf, sources | self._labels.get(id(leaf), frozenset()))
         return out
+
+
+    def _note_weight_use(self, func: Any, args: tuple) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func is F.linear and len(tensors) > 1 and id(tensors[1]) in self.weight_uses:
+            self.weight_uses[id(tensors[1])] = False
+        elif func in _MATMULS and tensors and id(tensors[-1]) in self.weight_uses:
+            self.weight_uses[id(tensors[-1])] = True
+
+
+#: Functions that apply a weight stored ``(in, out)`` as their last matrix operand: ``x @ w``, ``addmm(b, x, w)``.
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.addmm,
+            torch.Tensor.addmm}
+
+
+def _watch_linears(block: nn.Module, tracker: _SourceTracker, before: Callable[..., None],
+                   after: Callable[..., None]) -> list[Any]:
+    """Forward hooks on every candidate linear layer of ``block``; their weights watched by ``tracker``."""
+    hooks = []
+    for module in block.modules():
+        if _holds_one_matrix(module):
+            tracker.weight_uses[id(module.weight)] = None
+            hooks.append(module.register_forward_pre_hook(before))
+            hooks.append(module.register_forward_hook(after))
+    return hooks
+
+
+def _holds_one_matrix(module: nn.Module) -> bool:
+    """``nn.Linear``, or a leaf module whose own parameters are a 2-D ``weight`` and at most a 1-D ``bias``."""
+    if isinstance(module, nn.Linear):
+        return True
+    if any(True for _ in module.children()):
+        return False
+    own = dict(module.named_parameters(recurse=False))
+    weight, bias = own.pop("weight", None), own.pop("bias", None)
+    return not own and weight is not None and weight.dim() == 2 and (bias is None or bias.dim() == 1)
+
+
+def _orientation(module: nn.Module, inputs: tuple, output: Any, applied_transposed: bool | None) -> bool | None:
+    """Whether ``module``'s weight is stored ``(in, out)`` (``True``) or ``(out, in)`` (``False``), from the shapes
+    it mapped (and, for a square weight, from how the forward applied it); ``None`` if it is no linear map of the
+    last dimension."""
+    if isinstance(module, nn.Linear):
+        return False
+    if not (inputs and isinstance(inputs[0], torch.Tensor) and isinstance(output, torch.Tensor)):
+        return None
+    rows, columns = module.weight.shape
+    width_in, width_out = inputs[0].shape[-1], output.shape[-1]
+    if (rows, columns) == (width_in, width_out) and rows != columns:
+        return True
+    if (rows, columns) == (width_out, width_in) and rows != columns:
+        return False
+    return applied_transposed if rows == columns == width_in == width_out else None
 
 
 def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
@@ -124,6 +186,13 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
         trace.linears[name] = LinearUse(name, module, tracker.sources_of(inputs))
 
     def after_linear(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        use = trace.linears[names[module]]
+        transposed = _orientation(module, inputs, output, tracker.weight_uses.get(id(module.weight)))
+        if transposed is None:  # not a linear map of the last dimension: left for the planner to refuse
+            del trace.linears[use.name]
+            return
+        use.transposed = transposed
+        use.in_features, use.out_features = inputs[0].shape[-1], output.shape[-1]
         tracker.label(output, frozenset({names[module]}))
 
     def record_cut(func: Any, args: tuple, kwargs: dict, out: Any, sources: frozenset[str]) -> None:
@@ -133,11 +202,7 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
                 trace.cuts.append(cut)
 
     tracker.on_call = record_cut
-    hooks = []
-    for module in block.modules():
-        if isinstance(module, nn.Linear):
-            hooks.append(module.register_forward_pre_hook(before_linear))
-            hooks.append(module.register_forward_hook(after_linear))
+    hooks = _watch_linears(block, tracker, before_linear, after_linear)
     holders = list(attribute_holders(block))
     reads: set[tuple[int, str]] = set()
     try:
@@ -198,7 +263,7 @@ def _feature_cut(func: Any, tensor: torch.Tensor, out: Any, source: str, trace: 
     if use is None or tensor.dim() == 0:
         return None
     width = tensor.shape[-1]
-    if width not in _feature_widths(use.module.out_features, trace, source):
+    if width not in _feature_widths(use.out_features, trace, source):
         return None
     if func in _SPLIT_FUNCTIONS and isinstance(out, (tuple, list)) and len(out) > 1:
         if all(piece.dim() == tensor.dim() for piece in out) and _cuts_last_dim(tensor, out):

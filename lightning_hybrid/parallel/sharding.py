@@ -102,7 +102,9 @@ def _average_over(group: Any, grad: torch.Tensor) -> torch.Tensor:
 def _shard_placement(parameter: nn.Parameter) -> Shard | None:
     # A fused projection's rows are already dealt to tensor-parallel ranks in strided pieces; sharding the same
     # dimension again over data-parallel ranks would nest two strided layouts, which DTensor cannot gather back
-    # into the original order. Shard its columns instead.
-    if isinstance(parameter, DTensor) and any(isinstance(p, StridedShard) for p in parameter.placements):
-        return Shard(1)
+    # into the original order. Shard the other dimension instead (columns, or rows of a transposed Conv1D weight).
+    if isinstance(parameter, DTensor):
+        strided = [p for p in parameter.placements if isinstance(p, StridedShard)]
+        if strided:
+            return Shard(1 if strided[0].dim == 0 else 0)
     return None

@@ -19,15 +19,15 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from lightning_hybrid._compat import StridedShard, tree_flatten, tree_map
+from lightning_hybrid._compat import tree_flatten, tree_map
 from lightning_hybrid.parallel.blocks import BlockList
 from lightning_hybrid.parallel.dataflow import trace_block
+from lightning_hybrid.parallel.tp_layers import shard_column, shard_row
 from lightning_hybrid.parallel.tp_plan import (
     BlockPlan,
     PairGroup,
@@ -38,36 +38,6 @@ from lightning_hybrid.parallel.tp_plan import (
 )
 
 log = logging.getLogger(__name__)
-
-class StridedColumnLinear(nn.Linear):
-    """A column-parallel linear whose rows are dealt in ``split_factor`` strided pieces (fused q|k|v).
-
-    DTensor's matmul rules do not keep strided placements, so the product is computed on local shards: the weight
-    is ``_StridedShard`` on the tensor mesh (its ``full_tensor()`` is the original row order, so state dicts keep
-    the unmodified module's layout); the bias stays replicated and each rank picks its rows. Declaring the local
-    results' gradients ``Partial`` makes DTensor sum them over the tensor-parallel ranks in backward.
-    """
-
-    tp_split_factor: int
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mesh = self.weight.device_mesh
-        x_local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-        bias = None
-        if self.bias is not None:
-            rows = self.bias.to_local(grad_placements=[Partial()]).view(self.tp_split_factor, mesh.size(), -1)
-            bias = rows[:, mesh.get_local_rank()].reshape(-1)
-        return F.linear(x_local, self.weight.to_local(), bias)
-
-
-def _shard_strided_column(linear: nn.Linear, mesh: DeviceMesh, split_factor: int) -> None:
-    weight = distribute_tensor(linear.weight.detach(), mesh, [StridedShard(0, split_factor=split_factor)])
-    linear.weight = nn.Parameter(weight)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Replicate()]))
-    linear.__class__ = StridedColumnLinear
-    linear.tp_split_factor = split_factor
-
 
 def apply_block_plan(block: nn.Module, plan: BlockPlan, mesh: DeviceMesh) -> None:
     """Shard ``block`` in place according to ``plan``; integer attributes are divided by the tensor size."""
@@ -82,12 +52,15 @@ def _apply_group(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: d
     for name, shard in group.columns.items():
         if name in styles:
             continue  # the user's own ParallelStyle for this layer wins
-        if shard.split_factor > 1:
-            _shard_strided_column(block.get_submodule(name), mesh, shard.split_factor)
+        if shard.split_factor > 1 or name in group.transposed:
+            shard_column(block.get_submodule(name), mesh, shard.split_factor, transposed=name in group.transposed)
         else:
             styles[name] = ColwiseParallel()
     for name in group.rows:
-        styles.setdefault(name, RowwiseParallel())
+        if name in group.transposed and name not in styles:
+            shard_row(block.get_submodule(name), mesh, transposed=True)
+        else:
+            styles.setdefault(name, RowwiseParallel())
     replaced: dict[int, Any] = {}
     for path, attr in group.scaled_attributes:
         owner = _resolve_owner(block, path, replaced)

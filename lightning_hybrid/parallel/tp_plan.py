@@ -59,6 +59,8 @@ class PairGroup:
     owner: str
     #: ``(object path, attribute)`` of integer attributes set to ``value // tp`` on each rank.
     scaled_attributes: list[tuple[str, str]] = field(default_factory=list)
+    #: The group's layers whose weight is stored ``(in, out)`` (Hugging Face's ``Conv1D``; see :mod:`.tp_layers`).
+    transposed: frozenset[str] = frozenset()
 
     @property
     def layers(self) -> list[str]:
@@ -101,7 +103,7 @@ def plan_block(
     ``overrides`` maps block-relative module names (already resolved from user patterns) to a style.
     """
     overrides = dict(overrides or {})
-    _reject_unplannable_modules(block, overrides)
+    _reject_unplannable_modules(block, trace, overrides)
     custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
     roles = _classify(trace, overrides)
     candidates = [
@@ -174,16 +176,17 @@ def _pair_groups(trace: BlockTrace, roles: dict[str, str]) -> Iterator[tuple[lis
         yield sorted(columns, key=order.index), sorted(rows, key=order.index)
 
 
-def _reject_unplannable_modules(block: nn.Module, overrides: Mapping[str, PlanEntry]) -> None:
-    """Matrix-shaped parameters outside nn.Linear cannot be sharded automatically: ask the user what to do."""
+def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> None:
+    """Matrix-shaped parameters outside the traced linear layers cannot be sharded automatically: ask the user
+    what to do."""
     for name, module in block.named_modules():
-        if isinstance(module, nn.Linear) or name in overrides:
+        if name in trace.linears or isinstance(module, nn.Linear) or name in overrides:
             continue
         own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
         if own:
             raise ValueError(
                 f"Tensor parallel planning cannot shard {type(module).__name__} {name!r} in"
-                f" {type(block).__name__} (it has a {own[0].dim()}-D parameter and is not an nn.Linear). Add an"
+                f" {type(block).__name__} (it has a {own[0].dim()}-D parameter and is no linear layer the planner recognizes). Add an"
                 f" entry for it to HybridStrategy(tp_plan=...), e.g. tp_plan={{'*.{name}': 'replicate'}} to keep it"
                 " whole on every tensor-parallel rank, or a torch ParallelStyle."
             )
@@ -195,23 +198,24 @@ def _group_candidates(
     """All plausible ways to shard one pair group, most likely first."""
     shard_options = [_column_options(block, trace, name, tp_size) for name in columns]
     owner = _common_owner([*columns, *rows])
+    transposed = frozenset(name for name in [*columns, *rows] if trace.linears[name].transposed)
     groups = []
     for choice in itertools.product(*shard_options):
         columns_map = {name: ColumnShard(split) for name, (split, _, _) in zip(columns, choice)}
-        scaled: set[int] = {block.get_submodule(r).in_features for r in rows}
+        scaled: set[int] = {trace.linears[r].in_features for r in rows}
         kept: set[int] = set()
         for split, scaled_values, kept_values in choice:
             scaled |= scaled_values
             kept |= kept_values
         likely, doubtful = _attributes_to_scale(trace, owner, scaled, kept, block)
         for subset in _subsets(likely, doubtful):
-            groups.append(PairGroup(columns_map, rows, owner, list(subset)))
+            groups.append(PairGroup(columns_map, rows, owner, list(subset), transposed))
     return groups[:_MAX_TRIALS]
 
 
 def _column_options(block: nn.Module, trace: BlockTrace, name: str, tp: int) -> list[tuple[int, set[int], set[int]]]:
     """``(split_factor, values that become per-rank, values that stay)`` for each way to deal whole heads."""
-    width = block.get_submodule(name).out_features
+    width = trace.linears[name].out_features
     cuts = [cut for cut in trace.cuts if cut.linear == name]
     pieces = next((cut.pieces for cut in cuts if cut.pieces), ())
     if len(set(pieces)) > 1:

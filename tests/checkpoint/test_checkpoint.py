@@ -134,34 +134,48 @@ def test_rank_killed_mid_save_leaves_no_checkpoint_that_looks_complete(tmp_path:
     assert not (folder / "epoch=1-step=8.ckpt.partial").exists()
 
 
-# ------------------------------------------------------------------------------------------------ tied weights
-def _tied_run(layout: list, out: Path, *extra: object) -> dict:
-    return run_script(["--model", "tied", *layout, *extra, "--out", out])
+# ------------------------------------------------------------------------------ tied weights, transposed layers
+#: Zoo families whose checkpoints hold what the GPT's do not: a weight tied across pipeline stages (``tied``, saved
+#: by dp2 × pp2) and Conv1D weights sharded over their columns, strided for the fused q|k|v (``hf_gpt2``, dp2 × tp2).
+SOURCES = {"tied": ["--dp", 2, "--pp", 2, "--devices", 4], "hf_gpt2": ["--dp", 2, "--tp", 2, "--devices", 4]}
+#: Each family's weight stored under two names.
+TIED_NAMES = {"tied": ("model.embed.weight", "model.head.weight"),
+              "hf_gpt2": ("model.transformer.wte.weight", "model.lm_head.weight")}
 
 
 @pytest.fixture(scope="module")
-def tied_source(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The uninterrupted dp2 × pp2 run of the tied model, checkpointed at the end of epoch 0."""
-    folder = tmp_path_factory.mktemp("tied_source")
-    result = _tied_run(["--dp", 2, "--pp", 2, "--devices", 4], folder / "run.pt", "--checkpoint-dir",
-                       folder / "checkpoints")
-    return {"result": result, "checkpoint": folder / "checkpoints" / "epoch=0-step=4.ckpt"}
+def zoo_source(tmp_path_factory: pytest.TempPathFactory):
+    """``zoo_source(model)``: its uninterrupted run under ``SOURCES[model]``, checkpointed at the end of epoch 0."""
+    cache: dict[str, dict] = {}
+
+    def get(model: str) -> dict:
+        if model not in cache:
+            folder = tmp_path_factory.mktemp(f"source_{model}")
+            result = run_script(["--model", model, *SOURCES[model], "--checkpoint-dir", folder / "checkpoints",
+                                 "--out", folder / "run.pt"])
+            cache[model] = {"result": result, "checkpoint": folder / "checkpoints" / "epoch=0-step=4.ckpt"}
+        return cache[model]
+
+    return get
 
 
-@pytest.mark.parametrize("target", [["--pp", 2, "--devices", 2], ["--dp", 2, "--devices", 2]])
-def test_a_weight_tied_across_stages_is_saved_once_per_name_and_resumes_under_another_layout(
-    target: list, tied_source: dict, tmp_path: Path
+@pytest.mark.parametrize(("model", "target"), [
+    ("tied", ["--pp", 2, "--devices", 2]), ("tied", ["--dp", 2, "--devices", 2]),
+    ("hf_gpt2", ["--pp", 2, "--devices", 2]),
+])
+def test_tied_and_transposed_weights_are_saved_as_the_module_has_them_and_resume_under_another_layout(
+    model: str, target: list, zoo_source, tmp_path: Path
 ) -> None:
-    """The tied model's embedding and head share one weight, held on the first and the last stage of dp2 × pp2:
-    the checkpoint holds it under both names (as the unmodified module's state dict does), equal, and a pipeline
-    of another shape or no pipeline at all resumes from it."""
-    checkpoint = tied_source["checkpoint"]
-    saved = load_module_state(checkpoint)
-    assert torch.equal(saved["model.embed.weight"], saved["model.head.weight"])
-    resumed = _tied_run(target, tmp_path / "resumed.pt", "--ckpt-path", checkpoint)
+    """The checkpoint holds the tied weight under both names, equal (as the unmodified module's state dict does),
+    and Conv1D weights in their own (in, out) layout; a pipeline of another shape, or none, resumes from it."""
+    source = zoo_source(model)
+    saved = load_module_state(source["checkpoint"])
+    first, second = TIED_NAMES[model]
+    assert torch.equal(saved[first], saved[second])
+    resumed = run_script(["--model", model, *target, "--ckpt-path", source["checkpoint"], "--out", tmp_path / "r.pt"])
     for name, tensor in resumed["initial_params"].items():
         assert torch.equal(saved[name], tensor), name
-    losses, params = _differences(tied_source["result"], resumed)
-    print(f"tied dp2_pp2 -> {target}: losses max rel {losses:.2e}, params max rel {params:.2e}")
+    losses, params = _differences(source["result"], resumed)
+    print(f"{model} {SOURCES[model]} -> {target}: losses max rel {losses:.2e}, params max rel {params:.2e}")
     assert losses <= 1e-5 and params <= 1e-5
-    assert torch.equal(resumed["params"]["model.embed.weight"], resumed["params"]["model.head.weight"])
+    assert torch.equal(resumed["params"][first], resumed["params"][second])

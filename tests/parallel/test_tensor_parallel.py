@@ -92,9 +92,28 @@ def test_user_override_replicate_removes_a_pair() -> None:
     assert [group.rows for group in groups] == [["mlp.down"]]
 
 
-def test_matrix_parameter_outside_linear_is_refused_with_the_plan_entry_that_fixes_it() -> None:
-    with pytest.raises(ValueError, match=r"cannot shard Conv1D 'mlp.c_fc'.*tp_plan=\{'\*\.mlp\.c_fc': 'replicate'\}"):
-        _first_choice(block_zoo.build("conv1d"), _x())
+class _DiagonalGate(nn.Module):
+    """A 2-D parameter that is not applied as a linear map (its diagonal scales the features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(block_zoo.DIM, block_zoo.DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight.diagonal()
+
+
+def test_matrix_parameter_outside_linear_layers_is_refused_with_the_plan_entry_that_fixes_it() -> None:
+    block = nn.Sequential(nn.Linear(block_zoo.DIM, block_zoo.DIM), _DiagonalGate(), nn.Linear(block_zoo.DIM, block_zoo.DIM))
+    with pytest.raises(ValueError, match=r"cannot shard _DiagonalGate '1'.*tp_plan=\{'\*\.1': 'replicate'\}"):
+        _first_choice(block, _x())
+
+
+def test_a_layer_stored_transposed_is_paired_like_a_linear() -> None:
+    """Conv1D-style layers (weight (in, out), applied as x @ w) are found by the shapes they map."""
+    group = next(g for g in _first_choice(block_zoo.build("conv1d"), _x()) if "mlp.c_fc" in g.columns)
+    assert (list(group.columns), group.rows, group.transposed) == (["mlp.c_fc"], ["mlp.c_proj"],
+                                                                   {"mlp.c_fc", "mlp.c_proj"})
 
 
 def test_tp_not_dividing_heads_names_the_layer_and_the_heads() -> None:
@@ -263,7 +282,8 @@ def _hugging_face_model(name: str) -> nn.Module:
         config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                           num_key_value_heads=2, **common)
         return transformers.Qwen2ForCausalLM(config)
-    config = transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16, **common)
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, **common)
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -309,6 +329,12 @@ def test_hugging_face_models_are_planned_unmodified(name: str) -> None:
 
 
 @pytest.mark.slow
-def test_gpt2_conv1d_layers_are_refused_with_the_entries_to_add() -> None:
-    with pytest.raises(Exception, match=r"cannot shard Conv1D 'attn.c_attn'.*tp_plan=\{'\*\.attn\.c_attn': 'replicate'\}"):
-        _run_hugging_face("gpt2")
+def test_gpt2_conv1d_layers_are_sharded_through_their_transposed_weights() -> None:
+    """Hugging Face's Conv1D stores its weight (in, out) and computes x @ w: found by the shapes it maps, its fused
+    c_attn dealt whole heads of q, k and v (strided over the weight's columns), c_proj and the MLP paired."""
+    results = _run_hugging_face("gpt2")
+    plan = results["plan"]
+    assert plan["transformer.h.*.attn.c_attn"] == "colwise (strided x3)"
+    assert plan["transformer.h.*.attn.c_proj"] == plan["transformer.h.*.mlp.c_proj"] == "rowwise"
+    assert plan["transformer.h.*.mlp.c_fc"] == "colwise"
+    assert results["output"] < 1e-5 and results["param_grad"] < 1e-5

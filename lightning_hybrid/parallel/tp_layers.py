@@ -1,0 +1,94 @@
+"""Tensor-parallel layers torch's ``ParallelStyle``\\ s do not cover, computed on local shards.
+
+* A **column** layer whose output rows are dealt in ``split_factor`` strided pieces (a fused q|k|v projection):
+  DTensor's matmul rules do not keep strided placements, so the product is computed on the local shard. The
+  weight is ``StridedShard`` on the tensor mesh (its ``full_tensor()`` is the original row order, so state dicts
+  keep the unmodified module's layout); the bias stays replicated and each rank picks its rows.
+* A linear layer stored **transposed** — weight ``(in, out)`` applied as ``x @ weight + bias``, as Hugging Face's
+  ``Conv1D`` (GPT-2) does: column-parallel shards the weight's columns (``Shard(1)``, strided for a fused
+  ``c_attn``), row-parallel its rows (``Shard(0)``) and all-reduces the partial products.
+
+In both, the input of a column layer is declared to have ``Partial`` gradients, so DTensor sums them over the
+tensor-parallel ranks in backward; a row layer's output goes ``Partial`` → ``Replicate`` (one all-reduce), as in
+torch's ``RowwiseParallel``. Each layer keeps its class (a subclass with this forward is swapped in), parameters
+and names.
+
+Example::
+
+    shard_column(block.attn.c_attn, mesh, split_factor=3, transposed=True)   # GPT-2's fused q|k|v Conv1D
+    shard_row(block.attn.c_proj, mesh, transposed=True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from lightning_hybrid._compat import StridedShard
+
+
+def shard_column(module: nn.Module, mesh: DeviceMesh, split_factor: int, transposed: bool) -> None:
+    """Make ``module`` column-parallel on ``mesh``: each rank computes its output features (of every piece)."""
+    dim = 1 if transposed else 0
+    placement = StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
+    module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [placement]))
+    if module.bias is not None:
+        bias_placement = Replicate() if split_factor > 1 else Shard(0)
+        module.bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh, [bias_placement]))
+    module.__class__ = _local_class(type(module), "Column", _column_forward)
+    module.tp_split_factor, module.tp_transposed = split_factor, transposed
+
+
+def shard_row(module: nn.Module, mesh: DeviceMesh, transposed: bool) -> None:
+    """Make a transposed ``module`` row-parallel on ``mesh`` (standard ``nn.Linear`` rows use ``RowwiseParallel``)."""
+    assert transposed, "nn.Linear rows are sharded with torch's RowwiseParallel"
+    module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Shard(0)]))
+    if module.bias is not None:
+        module.bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh, [Replicate()]))
+    module.__class__ = _local_class(type(module), "Row", _row_forward)
+
+
+_LOCAL_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _local_class(cls: type, kind: str, forward: Callable[..., Tensor]) -> type:
+    if (cls, kind) not in _LOCAL_CLASSES:
+        _LOCAL_CLASSES[(cls, kind)] = type(f"{kind}Parallel{cls.__name__}", (cls,), {"forward": forward})
+    return _LOCAL_CLASSES[(cls, kind)]
+
+
+def _column_forward(self: Any, x: Tensor) -> Tensor:
+    mesh = self.weight.device_mesh
+    x_local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    weight, bias = self.weight.to_local(), _local_bias(self, mesh)
+    if not self.tp_transposed:
+        return F.linear(x_local, weight, bias)
+    return _transposed_affine(x_local, weight, bias)
+
+
+def _row_forward(self: Any, x: Tensor) -> Tensor:
+    mesh = self.weight.device_mesh
+    partial = _transposed_affine(x, self.weight.to_local(), None)
+    out = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+    return out if self.bias is None else out + self.bias.to_local()
+
+
+def _local_bias(module: Any, mesh: DeviceMesh) -> Optional[Tensor]:
+    if module.bias is None:
+        return None
+    if module.tp_split_factor == 1:
+        return module.bias.to_local()
+    rows = module.bias.to_local(grad_placements=[Partial()]).view(module.tp_split_factor, mesh.size(), -1)
+    return rows[:, mesh.get_local_rank()].reshape(-1)
+
+
+def _transposed_affine(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``x @ weight + bias`` over the last dimension, as Conv1D computes it (one ``addmm`` on 2-D views)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+    return out.view(*x.shape[:-1], weight.shape[-1])
