@@ -108,6 +108,54 @@ class FusedGQAttention(nn.Module):
         return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
 
 
+class SlicedQKVAttention(nn.Module):
+    """Phi-3 style: one fused ``qkv_proj`` of unequal pieces cut by slicing with sizes read from a config object,
+    ``num_key_value_groups`` query heads per key/value head (``repeat_interleave``)."""
+
+    def __init__(self, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(num_attention_heads=HEADS)
+        self.head_dim, self.num_key_value_heads = DIM // HEADS, kv_heads
+        self.num_key_value_groups = HEADS // kv_heads
+        self.qkv_proj = nn.Linear(DIM, DIM + 2 * kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        qkv = self.qkv_proj(x)
+        query_pos = self.config.num_attention_heads * self.head_dim
+        q = qkv[..., :query_pos]
+        k = qkv[..., query_pos: query_pos + self.num_key_value_heads * self.head_dim]
+        v = qkv[..., query_pos + self.num_key_value_heads * self.head_dim:]
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(self.num_key_value_groups, dim=1) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+
+class MultiQueryAttention(HFAttention):
+    """Hugging Face style with a single key/value head: fewer key/value heads than tensor-parallel ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_key_value_groups = HEADS
+        self.k_proj = nn.Linear(DIM, DIM // HEADS, bias=False)
+        self.v_proj = nn.Linear(DIM, DIM // HEADS, bias=False)
+
+
+class GateUpMLP(nn.Module):
+    """Phi-3 style: gate and up projections fused into one layer, cut with ``chunk(2)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(DIM, 4 * DIM, bias=False)
+        self.down_proj = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * F.silu(gate))
+
+
 class GeluMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -190,4 +238,7 @@ def build(style: str) -> nn.Module:
         "three_layer_mlp": lambda: SequentialBlock(HFAttention(), ThreeLayerMLP()),
         "conv1d": lambda: SequentialBlock(TimmAttention(), ConvMLP()),
         "parallel": ParallelBlock,
+        "phi3": lambda: SequentialBlock(SlicedQKVAttention(), GateUpMLP()),
+        "phi3_mqa": lambda: SequentialBlock(SlicedQKVAttention(kv_heads=1), GateUpMLP()),
+        "mqa": lambda: SequentialBlock(MultiQueryAttention(), GeluMLP()),
     }[style]()

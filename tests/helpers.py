@@ -134,14 +134,14 @@ def _tails(logs: list[Path]) -> str:
     return "\n".join(parts)
 
 
-def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b| / max|a|`` in float64: one scale per tensor, so near-zero entries do not blow it up. Complex
-    tensors (rotary tables) compare as their real and imaginary parts."""
+def relative_difference(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """``max|a - b| / max(max|a|, floor)`` in float64: one scale per tensor, so near-zero entries do not blow it
+    up. Complex tensors (rotary tables) compare as their real and imaginary parts."""
     a, b = (torch.view_as_real(t) if t.is_complex() else t for t in (a, b))
     a64, b64 = a.detach().double(), b.detach().double()
     if a64.numel() == 0:
         return 0.0
-    scale = a64.abs().max().item()
+    scale = max(a64.abs().max().item(), floor)
     diff = (a64 - b64).abs().max().item()
     if scale == 0.0:
         return diff  # an all-zero reference tensor: fall back to the absolute difference
@@ -154,8 +154,14 @@ def compare_results(ref: dict[str, Any], par: dict[str, Any]) -> dict[str, Any]:
     loss_diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses_ref, losses_par)]
     val_diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref["val_losses"], par["val_losses"])]
     params_ref, params_par = ref["params"], par["params"]
+    # A parameter whose exact gradient is zero (an attention key's bias: softmax ignores what it adds to all of a
+    # query's scores) keeps its zero initialization up to rounding noise that Adam amplifies (to 1e-10 after six
+    # steps), different noise for every batch split. No tensor that really trains stays that small: Adam moves
+    # each entry by about the learning rate per step, whatever the gradient's size above ``adam_eps``. So a
+    # tensor is measured at least against the smallest learning rate of the run.
+    floor = min(ref.get("learning_rates") or [0.0])
     param_diffs = {
-        name: relative_difference(params_ref[name], params_par[name])
+        name: relative_difference(params_ref[name], params_par[name], floor)
         for name in params_ref
         if name in params_par and params_ref[name].shape == params_par[name].shape
     }
@@ -273,15 +279,21 @@ def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 def on_two_ranks(worker: Callable[..., None], *args: Any) -> dict[str, Any]:
     """Run ``worker(rank, results, *args)`` in two spawned processes joined by a gloo process group, and return
     what they put into the shared dict ``results``. ``worker`` must be a module-level function (it is pickled)."""
+    return on_ranks(2, worker, *args)
+
+
+def on_ranks(world_size: int, worker: Callable[..., None], *args: Any) -> dict[str, Any]:
+    """:func:`on_two_ranks` on ``world_size`` processes."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_two_rank_process, args=(free_port(), worker, args, results), nprocs=2)
+        mp.spawn(_rank_process, args=(world_size, free_port(), worker, args, results), nprocs=world_size)
         return dict(results)
 
 
-def _two_rank_process(rank: int, port: int, worker: Callable[..., None], args: tuple, results: Any) -> None:
+def _rank_process(rank: int, world_size: int, port: int, worker: Callable[..., None], args: tuple,
+                  results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         worker(rank, results, *args)
     finally:

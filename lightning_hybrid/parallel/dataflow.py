@@ -50,6 +50,8 @@ class LinearUse:
     out_features: int = 0
     #: The weight is stored ``(in, out)`` and applied as ``x @ weight`` (Hugging Face's ``Conv1D``).
     transposed: bool = False
+    #: Dimensions of the output (a slice of a tensor with other dimensions cuts heads, not the layer's pieces).
+    out_dims: int = 0
 
 
 @dataclass
@@ -61,6 +63,8 @@ class FeatureCut:
     pieces: tuple[int, ...] = ()
     #: Factors a reshape cut the (piece's) last dimension into, outermost first; the last one is the head size.
     factors: tuple[int, ...] = ()
+    #: ``(start, stop)`` of a slice taken of the last dimension (``qkv[..., :q_width]``).
+    span: tuple[int, int] | None = None
 
 
 @dataclass
@@ -192,12 +196,12 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
             del trace.linears[use.name]
             return
         use.transposed = transposed
-        use.in_features, use.out_features = inputs[0].shape[-1], output.shape[-1]
+        use.in_features, use.out_features, use.out_dims = inputs[0].shape[-1], output.shape[-1], output.dim()
         tracker.label(output, frozenset({names[module]}))
 
     def record_cut(func: Any, args: tuple, kwargs: dict, out: Any, sources: frozenset[str]) -> None:
         if len(sources) == 1 and isinstance(args[0], torch.Tensor):
-            cut = _feature_cut(func, args[0], out, next(iter(sources)), trace)
+            cut = _feature_cut(func, args, out, next(iter(sources)), trace)
             if cut is not None:
                 trace.cuts.append(cut)
 
@@ -257,9 +261,9 @@ def _recording_reads(objects: list[Any], reads: set[tuple[int, str]]) -> Iterato
             obj.__class__ = original
 
 
-def _feature_cut(func: Any, tensor: torch.Tensor, out: Any, source: str, trace: BlockTrace) -> FeatureCut | None:
-    """Describe how ``func`` cut the features of ``source``'s output, or ``None`` if it did not touch them."""
-    use = trace.linears.get(source)
+def _feature_cut(func: Any, args: tuple, out: Any, source: str, trace: BlockTrace) -> FeatureCut | None:
+    """Describe how ``func(*args)`` cut the features of ``source``'s output, or ``None`` if it did not touch them."""
+    tensor, use = args[0], trace.linears.get(source)
     if use is None or tensor.dim() == 0:
         return None
     width = tensor.shape[-1]
@@ -269,11 +273,27 @@ def _feature_cut(func: Any, tensor: torch.Tensor, out: Any, source: str, trace: 
         if all(piece.dim() == tensor.dim() for piece in out) and _cuts_last_dim(tensor, out):
             return FeatureCut(source, pieces=tuple(piece.shape[-1] for piece in out))
         return None
+    if func is torch.Tensor.__getitem__ and isinstance(out, torch.Tensor) and tensor.dim() == use.out_dims:
+        span = _last_dim_slice(tensor, args[1] if len(args) > 1 else None)
+        return None if span is None else FeatureCut(source, span=span)
     if func in _RESHAPE_FUNCTIONS and isinstance(out, torch.Tensor):
         factors = _split_factors(tensor.shape, out.shape)
         if factors is not None and len(factors) > 1:
             return FeatureCut(source, factors=factors)
     return None
+
+
+def _last_dim_slice(tensor: torch.Tensor, index: Any) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``tensor[index]`` takes a contiguous slice of the last dimension and nothing else."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not index or not isinstance(index[-1], slice) or index[-1].step not in (None, 1):
+        return None
+    leading = index[:-1]
+    whole = all(item is Ellipsis or item == slice(None) for item in leading)
+    if not whole or (Ellipsis not in leading and len(leading) != tensor.dim() - 1):
+        return None
+    start, stop, _ = index[-1].indices(tensor.shape[-1])
+    return (start, stop) if stop > start else None
 
 
 def _feature_widths(out_features: int, trace: BlockTrace, source: str) -> set[int]:
@@ -282,6 +302,7 @@ def _feature_widths(out_features: int, trace: BlockTrace, source: str) -> set[in
     for cut in trace.cuts:
         if cut.linear == source:
             widths.update(cut.pieces)
+            widths.update([cut.span[1] - cut.span[0]] if cut.span else [])
     return widths
 
 

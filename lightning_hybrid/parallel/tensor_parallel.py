@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_hybrid._compat import tree_flatten, tree_map
 from lightning_hybrid.parallel.blocks import BlockList
 from lightning_hybrid.parallel.dataflow import trace_block
-from lightning_hybrid.parallel.tp_layers import shard_column, shard_row
+from lightning_hybrid.parallel.tp_layers import select_rows, shard_column, shard_row
 from lightning_hybrid.parallel.tp_plan import (
     BlockPlan,
     PairGroup,
@@ -52,7 +52,10 @@ def _apply_group(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: d
     for name, shard in group.columns.items():
         if name in styles:
             continue  # the user's own ParallelStyle for this layer wins
-        if shard.split_factor > 1 or name in group.transposed:
+        if shard.heads:
+            spans = shard.spans(mesh.get_local_rank(), mesh.size())
+            select_rows(block.get_submodule(name), mesh, spans, transposed=name in group.transposed)
+        elif shard.split_factor > 1 or name in group.transposed:
             shard_column(block.get_submodule(name), mesh, shard.split_factor, transposed=name in group.transposed)
         else:
             styles[name] = ColwiseParallel()
@@ -64,7 +67,7 @@ def _apply_group(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: d
     replaced: dict[int, Any] = {}
     for path, attr in group.scaled_attributes:
         owner = _resolve_owner(block, path, replaced)
-        setattr(owner, attr, getattr(owner, attr) // mesh.size())
+        setattr(owner, attr, group.per_rank(getattr(owner, attr), mesh.size()))
 
 
 def _resolve_owner(block: nn.Module, path: str, replaced: dict[int, Any]) -> Any:

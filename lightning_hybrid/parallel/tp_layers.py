@@ -8,7 +8,13 @@
   ``Conv1D`` (GPT-2) does: column-parallel shards the weight's columns (``Shard(1)``, strided for a fused
   ``c_attn``), row-parallel its rows (``Shard(0)``) and all-reduces the partial products.
 
-In both, the input of a column layer is declared to have ``Partial`` gradients, so DTensor sums them over the
+* A column layer whose pieces **cannot share one shard layout** — a fused q|k|v with fewer key/value heads than
+  query heads (grouped-query attention), or fewer key/value heads than ranks: the weight stays whole on every
+  rank (``Replicate``; FSDP2 still shards it over data-parallel ranks) and each rank computes the output rows it
+  needs (its query heads and the key/value groups they attend to). Its gradient is declared ``Partial``: every
+  rank's rows are summed over the tensor-parallel ranks, which is the full gradient.
+
+In all of them, the input of a column layer is declared to have ``Partial`` gradients, so DTensor sums them over the
 tensor-parallel ranks in backward; a row layer's output goes ``Partial`` → ``Replicate`` (one all-reduce), as in
 torch's ``RowwiseParallel``. Each layer keeps its class (a subclass with this forward is swapped in), parameters
 and names.
@@ -44,6 +50,15 @@ def shard_column(module: nn.Module, mesh: DeviceMesh, split_factor: int, transpo
     module.tp_split_factor, module.tp_transposed = split_factor, transposed
 
 
+def select_rows(module: nn.Module, mesh: DeviceMesh, spans: tuple[tuple[int, int], ...], transposed: bool) -> None:
+    """Make ``module`` compute only the output features ``spans`` on this rank, its weight kept whole."""
+    module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
+    if module.bias is not None:
+        module.bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh, [Replicate()]))
+    module.__class__ = _local_class(type(module), "Selected", _selected_forward)
+    module.tp_spans, module.tp_transposed = spans, transposed
+
+
 def shard_row(module: nn.Module, mesh: DeviceMesh, transposed: bool) -> None:
     """Make a transposed ``module`` row-parallel on ``mesh`` (standard ``nn.Linear`` rows use ``RowwiseParallel``)."""
     assert transposed, "nn.Linear rows are sharded with torch's RowwiseParallel"
@@ -69,6 +84,20 @@ def _column_forward(self: Any, x: Tensor) -> Tensor:
     if not self.tp_transposed:
         return F.linear(x_local, weight, bias)
     return _transposed_affine(x_local, weight, bias)
+
+
+def _selected_forward(self: Any, x: Tensor) -> Tensor:
+    mesh = self.weight.device_mesh
+    x_local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    weight = _rows(self.weight.to_local(grad_placements=[Partial()]), self.tp_spans, dim=int(self.tp_transposed))
+    bias = None if self.bias is None else _rows(self.bias.to_local(grad_placements=[Partial()]), self.tp_spans, 0)
+    if not self.tp_transposed:
+        return F.linear(x_local, weight, bias)
+    return _transposed_affine(x_local, weight, bias)
+
+
+def _rows(tensor: Tensor, spans: tuple[tuple[int, int], ...], dim: int) -> Tensor:
+    return torch.cat([tensor.narrow(dim, start, stop - start) for start, stop in spans], dim=dim)
 
 
 def _row_forward(self: Any, x: Tensor) -> Tensor:

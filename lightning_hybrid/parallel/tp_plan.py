@@ -34,7 +34,7 @@ from typing import Iterator, Mapping, Sequence, Union
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_hybrid.parallel.dataflow import BlockTrace, attribute_holders
+from lightning_hybrid.parallel.dataflow import BlockTrace, FeatureCut, attribute_holders
 
 PlanEntry = Union[str, ParallelStyle]
 _STYLE_NAMES = ("colwise", "rowwise", "replicate")
@@ -48,6 +48,27 @@ class ColumnShard:
 
     #: The output is ``split_factor`` equal pieces (q|k|v); each rank gets its chunk of every piece.
     split_factor: int = 1
+    #: ``(width, heads)`` of each piece when the pieces cannot share one shard layout (grouped-query q|k|v, fewer
+    #: key/value heads than ranks): the weight stays whole and each rank computes the rows of :meth:`spans`.
+    heads: tuple[tuple[int, int], ...] = ()
+
+    def spans(self, rank: int, tp: int) -> tuple[tuple[int, int], ...]:
+        """``(start, stop)`` output rows rank ``rank`` computes: its share of every piece's heads, or, for a piece
+        with fewer heads than ranks, the one head its share of the largest piece attends to."""
+        spans, offset = [], 0
+        for width, count in self.heads:
+            head_size, per_rank = width // count, max(count // tp, 1)
+            first = rank * count // tp
+            spans.append((offset + first * head_size, offset + (first + per_rank) * head_size))
+            offset += width
+        return tuple(spans)
+
+    def describe(self) -> str:
+        if self.heads:
+            return "colwise (heads " + " | ".join(str(count) for _, count in self.heads) + ")"
+        return "colwise" + (f" (strided x{self.split_factor})" if self.split_factor > 1 else "")
+
+ColumnOption = tuple[ColumnShard, dict[int, int], frozenset[int], tuple[tuple[int, int], ...]]
 
 
 @dataclass
@@ -57,14 +78,20 @@ class PairGroup:
     columns: dict[str, ColumnShard]
     rows: list[str]
     owner: str
-    #: ``(object path, attribute)`` of integer attributes set to ``value // tp`` on each rank.
+    #: ``(object path, attribute)`` of integer attributes set to their per-rank value on each rank.
     scaled_attributes: list[tuple[str, str]] = field(default_factory=list)
+    #: Global size → per-rank size for sizes that do not simply divide by tp (key/value groups shared by ranks).
+    sizes: dict[int, int] = field(default_factory=dict)
     #: The group's layers whose weight is stored ``(in, out)`` (Hugging Face's ``Conv1D``; see :mod:`.tp_layers`).
     transposed: frozenset[str] = frozenset()
 
     @property
     def layers(self) -> list[str]:
         return [*self.columns, *self.rows]
+
+    def per_rank(self, value: int, tp: int) -> int:
+        """The per-rank value of a rescaled attribute holding ``value``."""
+        return self.sizes.get(value, value // tp)
 
 
 @dataclass
@@ -82,8 +109,7 @@ class BlockPlan:
             for name, shard in group.columns.items():
                 if name in self.custom:
                     continue
-                strided = f" (strided x{shard.split_factor})" if shard.split_factor > 1 else ""
-                described[at + name] = "colwise" + strided
+                described[at + name] = shard.describe()
             described.update({at + name: "rowwise" for name in group.rows if name not in self.custom})
             described.update({f"{at}{obj}.{attr}" if obj else at + attr: "÷tp" for obj, attr in group.scaled_attributes})
         described.update({at + name: type(style).__name__ for name, style in self.custom.items()})
@@ -196,57 +222,110 @@ def _group_candidates(
     block: nn.Module, trace: BlockTrace, columns: list[str], rows: list[str], tp_size: int
 ) -> list[PairGroup]:
     """All plausible ways to shard one pair group, most likely first."""
-    shard_options = [_column_options(block, trace, name, tp_size) for name in columns]
+    group_heads = max((cut.factors[-2] for cut in trace.cuts if cut.linear in columns and len(cut.factors) > 1),
+                      default=0)
+    shard_options = [_column_options(trace, name, tp_size, group_heads) for name in columns]
     owner = _common_owner([*columns, *rows])
     transposed = frozenset(name for name in [*columns, *rows] if trace.linears[name].transposed)
     groups = []
     for choice in itertools.product(*shard_options):
-        columns_map = {name: ColumnShard(split) for name, (split, _, _) in zip(columns, choice)}
-        scaled: set[int] = {trace.linears[r].in_features for r in rows}
+        columns_map = {name: shard for name, (shard, _, _, _) in zip(columns, choice)}
+        sizes = {trace.linears[r].in_features: trace.linears[r].in_features // tp_size for r in rows}
         kept: set[int] = set()
-        for split, scaled_values, kept_values in choice:
-            scaled |= scaled_values
-            kept |= kept_values
-        likely, doubtful = _attributes_to_scale(trace, owner, scaled, kept, block)
+        for _, option_sizes, option_kept, _ in choice:
+            sizes.update(option_sizes)
+            kept |= option_kept
+        _add_head_ratios(sizes, kept, [heads for *_, option_heads in choice for heads in option_heads])
+        likely, doubtful = _attributes_to_scale(trace, owner, set(sizes), kept, block)
+        uneven = {value: size for value, size in sizes.items() if size != value // tp_size}
         for subset in _subsets(likely, doubtful):
-            groups.append(PairGroup(columns_map, rows, owner, list(subset), transposed))
+            groups.append(PairGroup(columns_map, rows, owner, list(subset), transposed=transposed, sizes=uneven))
     return groups[:_MAX_TRIALS]
 
 
-def _column_options(block: nn.Module, trace: BlockTrace, name: str, tp: int) -> list[tuple[int, set[int], set[int]]]:
-    """``(split_factor, values that become per-rank, values that stay)`` for each way to deal whole heads."""
+def _add_head_ratios(sizes: dict[int, int], kept: set[int], heads: list[tuple[int, int]]) -> None:
+    """Query heads per key/value group (``num_key_value_groups``) change when ranks share a group, else stay."""
+    for (many, many_local), (few, few_local) in itertools.permutations(heads, 2):
+        if many > few and many % few == 0 and many_local % few_local == 0:
+            ratio, local_ratio = many // few, many_local // few_local
+            if ratio == local_ratio:
+                kept.add(ratio)
+            else:
+                sizes.setdefault(ratio, local_ratio)
+
+
+def _column_options(trace: BlockTrace, name: str, tp: int, group_heads: int) -> list[ColumnOption]:
+    """``(shard, {global size: per-rank size}, sizes that stay, ((heads, per-rank heads), ...))`` for each way to
+    deal whole heads of ``name``'s output; ``group_heads`` is the most heads any column of its group has."""
     width = trace.linears[name].out_features
     cuts = [cut for cut in trace.cuts if cut.linear == name]
-    pieces = next((cut.pieces for cut in cuts if cut.pieces), ())
-    if len(set(pieces)) > 1:
-        raise ValueError(
-            f"{name!r} is a fused projection whose output is split into unequal pieces {list(pieces)} (grouped-query"
-            " attention with a fused qkv). Whole heads of each piece cannot be dealt to ranks with one shard"
-            f" layout. Pass tp_plan={{'*.{name}': 'replicate'}} together with the layer that consumes it, or"
-            " split the projection into separate q, k, v layers."
-        )
-    base = len(pieces) if pieces else 1
-    piece_width = width // base
-    options: list[tuple[int, set[int], set[int]]] = []
+    pieces = _pieces(cuts, width)
     shapes = {cut.factors for cut in cuts if cut.factors}
+    options = _even_options(width, pieces, shapes, tp) if len(set(pieces)) <= 1 else []
+    options += _head_options(pieces or (width,), shapes, tp, group_heads)
+    if not options:
+        heads = " or ".join(f"{' × '.join(map(str, f))}" for f in shapes)
+        detail = f"its output is reshaped into {heads}" if heads else f"it has {width} output features"
+        detail += f" in pieces {list(pieces)}" if len(set(pieces)) > 1 else ""
+        raise ValueError(
+            f"tp={tp} does not divide the layout of {name!r}: {detail}. Choose a tp that divides the number of"
+            f" heads (and key/value heads) and the layer widths, or pass tp_plan={{'*.{name}': 'replicate'}}."
+        )
+    return list({(o[0], tuple(o[1].items()), o[2], o[3]): o for o in options}.values())
+
+
+def _pieces(cuts: list[FeatureCut], width: int) -> tuple[int, ...]:
+    """Widths of the pieces the output is cut into (``split``/``chunk``, or slices that tile it); ``()`` if none."""
+    split = next((cut.pieces for cut in cuts if cut.pieces), ())
+    if split:
+        return split
+    bounds = sorted({cut.span for cut in cuts if cut.span})
+    if len(bounds) > 1 and bounds[0][0] == 0 and bounds[-1][1] == width and all(
+            a[1] == b[0] for a, b in zip(bounds, bounds[1:])):
+        return tuple(stop - start for start, stop in bounds)
+    return ()
+
+
+def _even_options(width: int, pieces: tuple[int, ...], shapes: set[tuple[int, ...]], tp: int) -> list[ColumnOption]:
+    """Equal pieces (or none), each dealt to ranks in equal contiguous chunks: a (strided) ``Shard``."""
+    base = len(pieces) or 1
+    piece_width = width // base
+    options: list[ColumnOption] = []
     for factors in shapes:
         # Shard one non-innermost factor (the innermost is the head size); try the innermost candidates first.
         for index in reversed(range(len(factors) - 1)):
             if factors[index] % tp:
                 continue
             split = base * math.prod(factors[:index])
-            kept = {*factors[:index], *factors[index + 1:], split} - {1}
-            options.append((split, {width, piece_width, factors[index], *pieces} - kept, kept))
+            kept = frozenset({*factors[:index], *factors[index + 1:], split} - {1})
+            scaled = {width, piece_width, factors[index], *pieces} - kept
+            heads = ((factors[index], factors[index] // tp),)
+            options.append((ColumnShard(split), {v: v // tp for v in scaled}, kept, heads))
     if not shapes and piece_width % tp == 0:
-        options.append((base, {width, piece_width, *pieces}, {base} - {1}))
-    if not options:
-        heads = " or ".join(f"{' × '.join(map(str, f))}" for f in shapes)
-        detail = f"its output is reshaped into {heads}" if heads else f"it has {piece_width} output features"
-        raise ValueError(
-            f"tp={tp} does not divide the layout of {name!r}: {detail}. Choose a tp that divides the number of"
-            f" heads (and key/value heads) and the layer widths, or pass tp_plan={{'*.{name}': 'replicate'}}."
-        )
-    return list(dict.fromkeys((s, frozenset(a), frozenset(b)) for s, a, b in options))  # type: ignore[misc]
+        scaled = {width, piece_width, *pieces} - {base}
+        options.append((ColumnShard(base), {v: v // tp for v in scaled}, frozenset({base} - {1}), ()))
+    return options
+
+
+def _head_options(pieces: tuple[int, ...], shapes: set[tuple[int, ...]], tp: int,
+                  group_heads: int) -> list[ColumnOption]:
+    """Pieces of unequal head counts (grouped-query q|k|v) or with fewer heads than ranks: each rank computes its
+    q heads and the key/value groups they attend to (a group shared by several ranks is computed by each)."""
+    options: list[ColumnOption] = []
+    for head_size in dict.fromkeys(factors[-1] for factors in shapes if len(factors) == 2):
+        counts = [piece // head_size for piece in pieces]
+        if any(piece % head_size for piece in pieces) or group_heads % tp:
+            continue
+        local = [n // tp if n % tp == 0 else 1 if (tp % n == 0 and group_heads % n == 0) else 0 for n in counts]
+        if 0 in local or (len(set(pieces)) <= 1 and all(n % tp == 0 for n in counts)):
+            continue  # not dealable, or an even Shard already covers it
+        sizes = {n: m for n, m in zip(counts, local)} | {n * head_size: m * head_size for n, m in zip(counts, local)}
+        sizes[sum(pieces)] = sum(local) * head_size
+        kept = frozenset({head_size, *(value for value, size in sizes.items() if size == value)})
+        shard = ColumnShard(heads=tuple(zip(pieces, counts)))
+        changed = {value: size for value, size in sizes.items() if size != value}
+        options.append((shard, changed, kept, tuple(zip(counts, local))))
+    return options
 
 
 def _common_owner(names: list[str]) -> str:

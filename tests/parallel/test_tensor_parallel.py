@@ -11,12 +11,14 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_hybrid.parallel.dataflow import trace_block
 from lightning_hybrid.parallel.tp_plan import plan_block, resolve_overrides
 from tests import block_zoo
-from tests.helpers import on_two_ranks
+from tests.block_zoo import HEADS
+from tests.helpers import on_ranks, on_two_ranks
 from tests.models import GPTConfig, GPTBlock, LlamaBlock, LlamaConfig, rope_tables
 
 
@@ -130,9 +132,40 @@ def test_tp_not_dividing_mlp_width() -> None:
         _first_choice(block, _x(), tp=8, overrides={f"attn.{n}": "replicate" for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
 
 
-def test_fused_projection_with_unequal_pieces_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"unequal pieces \[32, 16, 16\].*'\*\.attn\.qkv': 'replicate'"):
-        _first_choice(block_zoo.build("fused_gqa"), _x())
+def test_fused_projection_with_unequal_pieces_deals_query_heads_and_their_key_value_groups() -> None:
+    attention, _ = _first_choice(block_zoo.build("fused_gqa"), _x())
+    shard = attention.columns["attn.qkv"]
+    assert shard.heads == ((32, 4), (16, 2), (16, 2))  # (width, heads) of q, k, v
+    # rank 1 of 2: query heads 2-3 (rows 16:32), key group 1 (rows 40:48), value group 1 (rows 56:64)
+    assert shard.spans(1, 2) == ((16, 32), (40, 48), (56, 64))
+    assert sorted(attention.scaled_attributes) == [("attn", "n_head"), ("attn", "n_kv")]
+
+
+def test_sliced_fused_projection_is_cut_where_the_forward_slices_it() -> None:
+    """Phi-3: ``qkv[..., :query_pos]`` slices, the query width read from a config object; ``chunk(2)`` gate|up."""
+    attention, mlp = _first_choice(block_zoo.build("phi3"), _x())
+    assert attention.columns["attn.qkv_proj"].heads == ((32, 4), (16, 2), (16, 2))
+    assert {("attn.config", "num_attention_heads"), ("attn", "num_key_value_heads")} <= set(attention.scaled_attributes)
+    assert mlp.columns["mlp.gate_up_proj"].split_factor == 2 and mlp.rows == ["mlp.down_proj"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fewer_key_value_heads_than_ranks_share_the_head(tp: int) -> None:
+    attention, _ = _first_choice(block_zoo.build("mqa"), _x(), tp=tp)
+    assert attention.columns["attn.q_proj"].heads == ()  # query heads: an even shard
+    key = attention.columns["attn.k_proj"]
+    assert key.heads == ((8, 1),) and {key.spans(rank, tp) for rank in range(tp)} == {((0, 8),)}
+    # 4 query heads per key/value head become 4/tp on each rank; the key/value head count (1) stays
+    assert attention.scaled_attributes == [("attn", "num_key_value_groups")]
+    assert attention.per_rank(HEADS, tp) == HEADS // tp
+
+
+def test_key_value_groups_fewer_than_ranks_go_to_the_ranks_of_their_query_heads() -> None:
+    block = block_zoo.build("fused_gqa")  # 4 query heads, 2 key/value groups, at tp=4
+    attention, _ = _first_choice(block, _x(), tp=4)
+    shard = attention.columns["attn.qkv"]
+    assert [shard.spans(rank, 4)[1] for rank in range(4)] == [(32, 40), (32, 40), (40, 48), (40, 48)]
+    assert attention.per_rank(2, 4) == 1  # n_kv: one group per rank
 
 
 def test_plan_patterns_must_match_and_name_a_style() -> None:
@@ -185,7 +218,8 @@ def _run_two_ranks(style: str, tp_plan: dict | None = None) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("style", ["timm", "litgpt", "hf", "parallel", "three_layer_mlp"])
+@pytest.mark.parametrize("style", ["timm", "litgpt", "hf", "parallel", "three_layer_mlp", "fused_gqa", "phi3",
+                                   "phi3_mqa", "mqa"])
 def test_applied_plan_matches_unsharded_block_in_output_and_gradients(style: str) -> None:
     results = _run_two_ranks(style)
     assert results["output"] < 1e-5
@@ -260,12 +294,21 @@ def test_plan_entries_inside_blocks_must_cover_every_block() -> None:
         _per_block_overrides({"blocks.1.attn.qkv": "replicate"}, "blocks", ("0", "1"))
 
 
-def test_tp_not_dividing_kv_heads_names_the_key_projection() -> None:
-    config = LlamaConfig()  # 4 query heads, 2 key/value heads
+def test_key_value_heads_fewer_than_ranks_are_shared_by_the_ranks_of_their_query_heads() -> None:
+    config = LlamaConfig()  # 4 query heads, 2 key/value heads, at tp=4
     block = LlamaBlock(config)
     rope = rope_tables(8, config.dim // config.n_heads, config.rope_theta)
-    with pytest.raises(ValueError, match=r"tp=4 does not divide the layout of 'attention.wk'.*2 × 8"):
-        _first_choice(block, torch.randn(2, 8, config.dim), rope, tp=4)
+    attention, _ = _first_choice(block, torch.randn(2, 8, config.dim), rope, tp=4)
+    key = attention.columns["attention.wk"]
+    assert key.heads == ((16, 2),) and [key.spans(rank, 4) for rank in range(4)] == [((0, 8),)] * 2 + [((8, 16),)] * 2
+    assert attention.per_rank(config.n_kv_heads, 4) == 1 and attention.per_rank(config.n_heads, 4) == 1
+
+
+def test_tp_not_dividing_query_heads_names_the_layer() -> None:
+    config = LlamaConfig()
+    rope = rope_tables(8, config.dim // config.n_heads, config.rope_theta)
+    with pytest.raises(ValueError, match=r"tp=8 does not divide the layout of 'attention.wq'.*4 × 8"):
+        _first_choice(LlamaBlock(config), torch.randn(2, 8, config.dim), rope, tp=8)
 
 
 # ------------------------------------------------------------------------------- third-party code, unmodified
@@ -273,18 +316,21 @@ def _hugging_face_model(name: str) -> nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=64, num_hidden_layers=2, use_cache=False)
-    if name == "llama":
-        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                          num_key_value_heads=2, **common)
-        return transformers.LlamaForCausalLM(config)
-    if name == "qwen2":  # q/k/v projections with bias
-        config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                          num_key_value_heads=2, **common)
-        return transformers.Qwen2ForCausalLM(config)
-    config = transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0, **common)
-    return transformers.GPT2LMHeadModel(config)
+    common = dict(vocab_size=64, num_hidden_layers=2, use_cache=False, hidden_size=32, intermediate_size=64,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    kind, _, variant = name.partition("_")
+    if variant == "mqa":
+        common["num_key_value_heads"] = 1
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0, vocab_size=64, num_hidden_layers=2, use_cache=False)
+        return transformers.GPT2LMHeadModel(config)
+    config_class, model_class = {  # qwen2: q/k/v projections with bias; phi3: fused qkv_proj and gate_up_proj
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    }[kind]
+    return model_class(config_class(**common))
 
 
 def _hugging_face_vs_unsharded(rank: int, results: dict, name: str, tp_plan: dict) -> None:
@@ -295,7 +341,7 @@ def _hugging_face_vs_unsharded(rank: int, results: dict, name: str, tp_plan: dic
     from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
     from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     model = _hugging_face_model(name)
     reference = copy.deepcopy(model)
     idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -314,8 +360,8 @@ def _hugging_face_vs_unsharded(rank: int, results: dict, name: str, tp_plan: dic
                        param_grad=grad_error)
 
 
-def _run_hugging_face(name: str, tp_plan: dict | None = None) -> dict:
-    return on_two_ranks(_hugging_face_vs_unsharded, name, tp_plan or {})
+def _run_hugging_face(name: str, tp_plan: dict | None = None, tp: int = 2) -> dict:
+    return on_ranks(tp, _hugging_face_vs_unsharded, name, tp_plan or {})
 
 
 @pytest.mark.slow
@@ -337,4 +383,20 @@ def test_gpt2_conv1d_layers_are_sharded_through_their_transposed_weights() -> No
     assert plan["transformer.h.*.attn.c_attn"] == "colwise (strided x3)"
     assert plan["transformer.h.*.attn.c_proj"] == plan["transformer.h.*.mlp.c_proj"] == "rowwise"
     assert plan["transformer.h.*.mlp.c_fc"] == "colwise"
+    assert results["output"] < 1e-5 and results["param_grad"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "tp"), [("phi3", 2), ("qwen2_mqa", 2), ("llama", 4)])
+def test_grouped_query_attention_in_any_layout_trains_like_the_whole_model(name: str, tp: int) -> None:
+    """Phi-3's fused q|k|v of unequal pieces (and fused gate|up), one key/value head at tp=2, two at tp=4."""
+    results = _run_hugging_face(name, tp=tp)
+    plan = results["plan"]
+    if name == "phi3":
+        assert plan["model.layers.*.self_attn.qkv_proj"] == "colwise (heads 4 | 2 | 2)"
+        assert plan["model.layers.*.mlp.gate_up_proj"] == "colwise (strided x2)"
+    else:
+        kv_heads = 1 if name.endswith("mqa") else 2
+        assert plan["model.layers.*.self_attn.k_proj"] == f"colwise (heads {kv_heads})"
+        assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
     assert results["output"] < 1e-5 and results["param_grad"] < 1e-5
