@@ -1,6 +1,7 @@
-"""Model families of the test zoo beyond ``tests/models.py``'s four: third-party code where a package ships it, and
-models written in styles no package ships. Each is built from a config (no downloads), has the harness's vocabulary
-(64) and sequence length (16), returns logits, and is written without any knowledge of parallelism.
+"""Model families of the test zoo beyond ``tests/models.py``'s four: third-party code where a package ships it
+(the Hugging Face builders live in ``tests/zoo_hf.py``), and models written in styles no package ships. Each is
+built from a config (no downloads), has the harness's vocabulary (64) and sequence length (16), returns logits, and
+is written without any knowledge of parallelism.
 
 Every entry of :data:`ZOO` names its builder, the config field holding its number of blocks, and the layouts it is
 trained under against single-process Lightning (``tests/test_zoo.py``).
@@ -16,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-VOCAB, SEQ = 64, 16
+from tests import zoo_hf as hf
+
+VOCAB, SEQ = hf.VOCAB, hf.SEQ
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,15 +235,6 @@ class FusedGQALM(nn.Module):
         return self.head(self.norm(x))
 
 
-def hugging_face_gpt2(config: dict[str, Any]) -> nn.Module:
-    """An unmodified ``transformers.GPT2LMHeadModel``: ``Conv1D`` layers, fused ``c_attn``, tied ``lm_head``."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    settings = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
-                    embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
-    return GPT2LMHeadModel(GPT2Config(**{**settings, **config}))
-
-
 @dataclass(frozen=True)
 class ZooEntry:
     """A family: how to build it from config overrides, and its number-of-blocks field."""
@@ -254,6 +248,13 @@ ZOO: dict[str, ZooEntry] = {
     "flat": ZooEntry(lambda config: FlatLM(FlatConfig(**config)), "n_layers"),
     "root_params": ZooEntry(lambda config: RootParametersLM(SmallConfig(**config)), "n_layers"),
     "tied": ZooEntry(lambda config: TiedLM(SmallConfig(**config)), "n_layers"),
-    "hf_gpt2": ZooEntry(hugging_face_gpt2, "n_layer"),
+    "hf_gpt2": ZooEntry(hf.hugging_face_gpt2, "n_layer"),
     "fused_gqa": ZooEntry(lambda config: FusedGQALM(SmallConfig(**config)), "n_layers"),
+    "hf_qwen2": ZooEntry(hf.hugging_face_qwen2, "num_hidden_layers"),
+    "hf_phi3": ZooEntry(hf.hugging_face_phi3, "num_hidden_layers"),
+    "hf_mixtral": ZooEntry(hf.hugging_face_mixtral, "num_hidden_layers"),
+    "hf_gpt_neox": ZooEntry(hf.hugging_face_gpt_neox, "num_hidden_layers"),
+    "hf_bert": ZooEntry(hf.hugging_face_bert, "num_hidden_layers"),
+    "hf_vit": ZooEntry(hf.TokensAsImageViT, "num_hidden_layers"),
+    "hf_t5_encoder": ZooEntry(hf.T5EncoderLM, "num_layers"),
 }

@@ -181,15 +181,21 @@ class Pipeline:
                 owned[stage].append(getattr(parent, attribute))
             if not local:
                 setattr(parent, attribute, RemoteUnit(self._dispatcher, index))
-        self._ghost_direct_parameters()
+        self._ghost_unread_parameters()
         self.stage_modules = {stage: _StageModule(self, stage, units) for stage, units in owned.items()}
 
-    def _ghost_direct_parameters(self) -> None:
-        """Parameters held by a module that contains the blocks, on ranks whose stages never read them: replaced
-        by a non-persistent buffer of the same shape and dtype taking no memory, so code that touches them on the
-        way to other units still runs (no parameter, no gradient, not in the state dict)."""
-        for name, stages in self.split.direct.items():
-            if set(stages) & set(self.stage_ids):
+    def _ghost_unread_parameters(self) -> None:
+        """Parameters outside the blocks that none of this rank's stages read, where their module stays on this
+        rank: held by a module that contains the blocks (``self.pos_embed``), or by a unit held here for another of
+        its parameters (a masked-LM head kept on the first stage for the decoder weight tied to the embedding also
+        holds a transform that only the last stage runs). Each is replaced by a non-persistent buffer of the same
+        shape and dtype taking no memory, so code that touches it on the way to other units still runs, and the
+        parameter lives only where it is read (no stale copy, no gradient, not in this rank's state dict)."""
+        local = set(self.stage_ids)
+        held_here = [unit.name + "." for unit in self.split.units
+                     if unit.block_index is None and local & set(unit.stages)]
+        for name, stages in self.split.parameter_stages.items():
+            if local & set(stages) or not (name in self.split.direct or name.startswith(tuple(held_here))):
                 continue
             parent_name, _, attribute = name.rpartition(".")
             parent = self.module.get_submodule(parent_name)
@@ -217,7 +223,9 @@ class Pipeline:
             with recording_logs(self.module, logs), recording_metric_calls(self.module, metric_calls):
                 output = getattr(self.module, self._step_name)(batch, *step_args, **step_kwargs)
         except StageOutput as done:
-            return tuple(t for t in tree_flatten(done.output)[0] if isinstance(t, Tensor))
+            # Contiguous: process groups send only dense tensors, and a block may hand on a view (T5's first block
+            # returns its position bias permuted, for the later blocks to add).
+            return tuple(t.contiguous() for t in tree_flatten(done.output)[0] if isinstance(t, Tensor))
         finally:
             self._dispatcher.end_stage()
         self._microbatch_logs.append(logs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -140,9 +140,7 @@ class _StepWatch:
 
     def _record_outputs(self, name: str, module: nn.Module) -> Any:
         def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            key = call_signature((args, kwargs))
-            if key is not None:
-                self.outputs.setdefault(name, {})[key] = output_spec(output)
+            self.outputs.setdefault(name, {})[call_signature((args, kwargs))] = output_spec(output)
 
         return module.register_forward_hook(record, with_kwargs=True)
 
@@ -194,10 +192,13 @@ def _check_block_calls(calls: list[int]) -> None:
 _PLAIN_VALUES = (int, float, bool, str, type(None))
 
 
-def call_signature(value: Any) -> Optional[tuple]:
+def call_signature(value: Any) -> tuple:
     """A hashable description of a call's inputs as far as output shapes can depend on them: tensor shapes and
     dtypes (floating ones as one kind: mixed precision changes them, not the shapes that follow), plain values,
-    the nesting. ``None`` if an input is of another kind (its effect cannot be told)."""
+    the nesting, and any other object by its class alone. An object's contents cannot key the call: a key/value
+    cache handed to every block (Hugging Face decoders pass one even in training) fills up while the step runs, so
+    the same call would describe differently before and after it; the shapes a block returns follow from its
+    tensors and plain values."""
     leaves, spec = tree_flatten(value)
     described = []
     for leaf in leaves:
@@ -206,7 +207,7 @@ def call_signature(value: Any) -> Optional[tuple]:
         elif isinstance(leaf, _PLAIN_VALUES):
             described.append((type(leaf), leaf))
         else:
-            return None
+            described.append((type(leaf), None))
     return (str(spec), tuple(described))
 
 

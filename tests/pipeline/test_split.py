@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hybrid.parallel.blocks import find_block_list
+from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+from lightning_hybrid.pipeline.dispatch import ActiveStage, UnitDispatcher, make_shadows
 from lightning_hybrid.pipeline.semantics import muted_logs
 from lightning_hybrid.pipeline.split import balanced_split, plan_split
 from lightning_hybrid.pipeline.trace import AFTER, BEFORE, TRUNK, TensorSpec, call_signature, trace_step
@@ -141,3 +142,22 @@ def test_block_called_twice_is_refused():
     module.model.forward = twice
     with pytest.raises(ValueError, match=r"each block must run exactly once per step.*\{0: 2\}"):
         _trace(module)
+
+
+def test_stand_ins_answer_from_the_trace_when_a_block_is_handed_an_object():
+    # Hugging Face decoders hand every block a key/value cache, even in training. A stand-in for a block must still
+    # answer from the setup trace: Mixtral's meta-device copy cannot compute (its experts kernel, grouped_mm, has a
+    # meta kernel that accepts bf16 only).
+    module = build_module("hf_mixtral")
+    path, blocks, trace = _trace(module)
+    split = plan_split(module, path, blocks, trace, num_stages=2)
+    dispatcher = UnitDispatcher(split, make_shadows(module, split), trace.outputs, torch.device("cpu"), None)
+    inputs = torch.randint(0, 64, (2, 16))
+    args, kwargs = capture_block_call(blocks[0], lambda: module.training_step((inputs, inputs), 0))
+    assert type(kwargs["cache"]).__name__ == "DynamicCache"
+    index = [unit.name for unit in split.units].index(blocks.name(0))
+    dispatcher.active = ActiveStage(1, split.block_range(1), is_first=False, is_last=True, received=())
+    stand_in = dispatcher.call(index, None, args, kwargs, training=True)  # stage 1 running: block 0 stands in
+    assert stand_in.shape == (2, 16, 32) and not stand_in.any()
+    with pytest.raises(RuntimeError, match=r"meta-device copy could not compute it .*BF16"):
+        dispatcher.call(index, None, (args[0][:1],), {**kwargs, "attention_mask": None}, training=True)

@@ -1,0 +1,120 @@
+"""The Hugging Face families of the test zoo (``tests/zoo.py``): unmodified ``transformers`` models built from tiny
+configs (hidden 32, 4 heads, 4 blocks, no dropout, the harness's vocabulary 64 and sequence 16), plus thin wrappers
+where a family's inputs or outputs are not token logits (a vision transformer, an encoder without a head).
+
+Every builder takes the config overrides of the zoo entry (``{"num_hidden_layers": 2}``) and returns a module that
+maps ``(B, 16)`` tokens to ``(B, 16, 64)`` logits, or a Hugging Face output whose ``.logits`` are those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+VOCAB, SEQ = 64, 16
+#: What every tiny decoder shares; ``eager`` attention: the plain matmul/softmax path, the same on every layout.
+_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                max_position_embeddings=SEQ, attention_dropout=0.0, attn_implementation="eager")
+
+
+def hugging_face_gpt2(config: dict[str, Any]) -> nn.Module:
+    """An unmodified ``transformers.GPT2LMHeadModel``: ``Conv1D`` layers, fused ``c_attn``, tied ``lm_head``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    settings = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
+                    embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(GPT2Config(**{**settings, **config}))
+
+
+def hugging_face_qwen2(config: dict[str, Any]) -> nn.Module:
+    """``Qwen2ForCausalLM``: grouped-query attention with biased q/k/v, the head tied to the token embedding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    settings = dict(_DECODER, num_key_value_heads=2, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(Qwen2Config(**{**settings, **config}))
+
+
+def hugging_face_phi3(config: dict[str, Any]) -> nn.Module:
+    """``Phi3ForCausalLM``: one fused ``qkv_proj`` of unequal pieces (grouped-query attention), fused
+    ``gate_up_proj``."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    settings = dict(_DECODER, num_key_value_heads=2, original_max_position_embeddings=SEQ, resid_pdrop=0.0,
+                    embd_pdrop=0.0, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return Phi3ForCausalLM(Phi3Config(**{**settings, **config}))
+
+
+def hugging_face_mixtral(config: dict[str, Any]) -> nn.Module:
+    """``MixtralForCausalLM``: every block's MLP is a top-2 mixture of 4 experts held as 3-d parameters, run by
+    Hugging Face's default experts kernel (``grouped_mm``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    settings = dict(_DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    router_jitter_noise=0.0)
+    return MixtralForCausalLM(MixtralConfig(**{**settings, **config}))
+
+
+def hugging_face_gpt_neox(config: dict[str, Any]) -> nn.Module:
+    """``GPTNeoXForCausalLM``: fused ``query_key_value`` (heads interleaved), parallel residual, partial rotary."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    settings = dict(_DECODER, hidden_dropout=0.0, use_parallel_residual=True, tie_word_embeddings=False)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**{**settings, **config}))
+
+
+def hugging_face_bert(config: dict[str, Any]) -> nn.Module:
+    """``BertForMaskedLM``: bidirectional encoder, learned positions and token types, its decoder tied to the word
+    embeddings."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                    num_attention_heads=4, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    return BertForMaskedLM(BertConfig(**{**settings, **config}))
+
+
+class TokensAsImageViT(nn.Module):
+    """An unmodified ``ViTModel`` on tokens: each token's embedding is one 4×4 RGB patch of a 16×16 image (patch
+    ``i`` is token ``i``), and the head reads the 16 patch outputs (the class token is dropped). ``ViTModel`` reads
+    its patch projection's weight dtype and holds the class token and position table as parameters."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        from transformers import ViTConfig, ViTModel
+
+        settings = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        image_size=16, patch_size=4, num_channels=3, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="eager")
+        vit_config = ViTConfig(**{**settings, **config})
+        self.patch, self.grid = vit_config.patch_size, vit_config.image_size // vit_config.patch_size
+        self.channels = vit_config.num_channels
+        self.pixels = nn.Embedding(VOCAB, self.channels * self.patch**2)
+        self.vit = ViTModel(vit_config, add_pooling_layer=False)
+        self.head = nn.Linear(vit_config.hidden_size, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        b, g, p = tokens.shape[0], self.grid, self.patch
+        patches = self.pixels(tokens).view(b, g, g, self.channels, p, p)
+        image = patches.permute(0, 3, 1, 4, 2, 5).reshape(b, self.channels, g * p, g * p)
+        hidden = self.vit(pixel_values=image).last_hidden_state
+        return self.head(hidden[:, 1:])
+
+
+class T5EncoderLM(nn.Module):
+    """An unmodified ``T5EncoderModel`` and a linear head: the first block owns the relative-position bias, whose
+    output every later block receives as an argument."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        from transformers import T5Config, T5EncoderModel
+
+        settings = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_heads=4, dropout_rate=0.0,
+                        relative_attention_num_buckets=8, relative_attention_max_distance=SEQ,
+                        attn_implementation="eager")
+        t5_config = T5Config(**{**settings, **config})
+        self.encoder = T5EncoderModel(t5_config)
+        self.head = nn.Linear(t5_config.d_model, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.encoder(input_ids=tokens).last_hidden_state)
