@@ -54,8 +54,10 @@ class BlockList(Sequence[nn.Module]):
 def find_block_list(root: nn.Module, path: str | None = None) -> tuple[str, BlockList]:
     """Return ``(name, blocks)`` of the model's repeated blocks.
 
-    The container (``ModuleList``, ``Sequential`` or ``ModuleDict``) with the most children that all share one class
-    (ties go to the one holding more parameters). ``path`` names the container explicitly and skips the search.
+    The outermost container (``ModuleList``, ``Sequential`` or ``ModuleDict``) of two or more blocks — modules
+    with parameters, of one class or of several (dense and mixture-of-experts layers) — preferring the one with
+    the most children, then the most parameters (a list of experts inside each block is not the model's block
+    list). ``path`` names the container explicitly and skips the search.
     """
     if path is not None:
         try:
@@ -68,26 +70,25 @@ def find_block_list(root: nn.Module, path: str | None = None) -> tuple[str, Bloc
                 f" nn.ModuleDict, got {type(container).__name__}."
             )
         return path, BlockList(path, container)
-    candidates = [
-        (name, module)
-        for name, module in root.named_modules()
-        if isinstance(module, CONTAINERS) and len(module) >= 2 and _same_class(module)
-    ]
+    found = [(name, module) for name, module in root.named_modules()
+             if isinstance(module, CONTAINERS) and len(module) >= 2 and _holds_blocks(module)]
+    candidates = [(name, module) for name, module in found
+                  if not any(name.startswith(outer + ".") for outer, _ in found if outer != name)]
     if not candidates:
         containers = [f"{name} ({type(m).__name__} of {len(m)})" for name, m in root.named_modules()
                       if isinstance(m, CONTAINERS)]
         raise ValueError(
             f"Could not find the repeated blocks of {type(root).__name__}: no nn.ModuleList/nn.Sequential/nn.ModuleDict"
-            f" holds two or more modules of one class (containers found: {', '.join(containers) or 'none'})."
+            f" holds two or more blocks (containers found: {', '.join(containers) or 'none'})."
             " Pass HybridStrategy(blocks='path.to.block_list') to name the container."
         )
     name, container = max(candidates, key=lambda item: (len(item[1]), _parameter_count(item[1])))
     return name, BlockList(name, container)
 
 
-def _same_class(container: nn.Module) -> bool:
-    children = list(container.children())
-    return len({type(child) for child in children}) == 1 and any(True for _ in children[0].parameters())
+def _holds_blocks(container: nn.Module) -> bool:
+    """Every child has parameters (activations and dropout between layers mean a hand-written trunk)."""
+    return all(any(True for _ in child.parameters()) for child in container.children())
 
 
 def _parameter_count(module: nn.Module) -> int:
@@ -99,6 +100,21 @@ class _BlockReached(BaseException):
 
     Derives from ``BaseException`` so that user code catching ``Exception`` around the forward does not swallow it.
     """
+
+
+def block_structures(blocks: BlockList) -> list[list[int]]:
+    """Indices of the blocks grouped by structure (submodule names, classes and parameter shapes), in order of
+    first appearance: blocks of one group can share one tensor-parallel plan."""
+    groups: dict[tuple, list[int]] = {}
+    for index in range(len(blocks)):
+        groups.setdefault(_structure(blocks[index]), []).append(index)
+    return list(groups.values())
+
+
+def _structure(block: nn.Module) -> tuple:
+    return tuple((name, type(module).__qualname__, tuple((key, tuple(p.shape)) for key, p in
+                                                        module.named_parameters(recurse=False)))
+                 for name, module in block.named_modules())
 
 
 def capture_block_call(block: nn.Module, run_forward: Callable[[], Any]) -> tuple[tuple, dict]:

@@ -78,6 +78,9 @@ class BlockTrace:
     attribute_reads: set[tuple[str, str]] = field(default_factory=set)
     #: Holders whose reads could not be observed (their class cannot be swapped); treat every attribute as read.
     unobserved: set[str] = field(default_factory=set)
+    #: Layers holding one matrix whose call is no plain linear map of the last dimension (a router that returns
+    #: logits, scores and expert indices): the planner keeps them whole.
+    opaque: set[str] = field(default_factory=set)
 
     def consumers(self, name: str) -> list[str]:
         """Linear layers whose input is computed from ``name``'s output (``"output"`` if the block output is)."""
@@ -192,8 +195,10 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
     def after_linear(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         use = trace.linears[names[module]]
         transposed = _orientation(module, inputs, output, tracker.weight_uses.get(id(module.weight)))
-        if transposed is None:  # not a linear map of the last dimension: left for the planner to refuse
+        if transposed is None:  # not a linear map of the last dimension: kept whole if it applied its weight
             del trace.linears[use.name]
+            if tracker.weight_uses.get(id(module.weight)) is not None:
+                trace.opaque.add(use.name)
             return
         use.transposed = transposed
         use.in_features, use.out_features, use.out_dims = inputs[0].shape[-1], output.shape[-1], output.dim()

@@ -77,7 +77,8 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         block_call = block_call or capture_block_call(blocks[0], run_step)
         result.tp_plan = apply_tensor_parallel(module, blocks_path, blocks, block_call, mesh[TENSOR],
                                                tp_plan=options.tp_plan, verify=options.verify_tp_plan,
-                                               apply_to=[blocks[i] for i in owned])
+                                               apply_to=owned,
+                                               capture=lambda block: capture_block_call(block, run_step))
         rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={dims.tp}): {result.tp_plan}")
     # 3. activation checkpointing
     if options.checkpointing is not None:
@@ -173,22 +174,32 @@ def apply_materialization(module: nn.Module, device: torch.device) -> None:
 
 
 def already_parallel(module: nn.Module) -> bool:
-    """True if ``configure_model`` applied FSDP2 or tensor parallelism itself (Lightning's ModelParallel style)."""
+    """True if the module applied FSDP2 or tensor parallelism itself (Lightning's ModelParallel style)."""
     return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
         isinstance(p, DTensor) for p in module.parameters()
     )
 
 
 def accept_user_parallelism(module: nn.Module, options: HybridOptions, device: torch.device) -> None:
-    """For a module that :func:`already_parallel` finds parallelized: apply nothing but materialization, and refuse
-    the options only :func:`parallelize` can apply."""
+    """For a module that parallelizes itself (see :mod:`lightning_hybrid.model_parallel`): apply nothing but
+    materialization, and refuse the options only :func:`parallelize` can apply."""
+    if options.pp != 1:
+        # The split traces and cuts the unmodified model; FSDP2 roots and DTensors applied over the whole model
+        # cannot be taken apart into stages afterwards.
+        raise ValueError(
+            f"HybridStrategy(pp={options.pp!r}) splits a model the strategy parallelizes, but the LightningModule"
+            " parallelizes itself (its configure_model/setup read self.device_mesh, or applied FSDP2/tensor"
+            " parallelism). Use pp=1 with it, or leave parallelism to HybridStrategy: do not read"
+            " self.device_mesh nor call fully_shard/parallelize_module there."
+        )
     if options.offload or options.checkpointing is not None:
         raise ValueError(
             "HybridStrategy(offload=, activation_checkpointing=) are applied while the strategy shards the"
-            " model, but configure_model() already applied FSDP2/tensor parallelism itself. Either let the"
-            " strategy parallelize (build the model in configure_model without fully_shard/parallelize_module)"
+            " model, but the LightningModule parallelizes itself (its configure_model/setup read"
+            " self.device_mesh, or applied FSDP2/tensor parallelism). Either let the strategy parallelize (build"
+            " the model in configure_model without reading the mesh or calling fully_shard/parallelize_module)"
             " or pass offload_policy=CPUOffloadPolicy() to your fully_shard calls and checkpoint your blocks"
             " there."
         )
-    rank_zero_info("HybridStrategy: configure_model() already parallelized the model; applying nothing more.")
+    rank_zero_info("HybridStrategy: the LightningModule parallelizes itself; applying nothing more.")
     apply_materialization(module, device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_hybrid._compat import tree_flatten, tree_map
-from lightning_hybrid.parallel.blocks import BlockList
+from lightning_hybrid.parallel.blocks import BlockList, block_structures
 from lightning_hybrid.parallel.dataflow import trace_block
+from lightning_hybrid.parallel.tp_experts import shard_experts
 from lightning_hybrid.parallel.tp_layers import select_rows, shard_column, shard_row
 from lightning_hybrid.parallel.tp_plan import (
     BlockPlan,
+    ExpertGroup,
+    Group,
     PairGroup,
     PlanEntry,
     block_tp_overrides,
@@ -48,7 +51,18 @@ def apply_block_plan(block: nn.Module, plan: BlockPlan, mesh: DeviceMesh) -> Non
         parallelize_module(block, mesh, styles)
 
 
-def _apply_group(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
+def _apply_group(block: nn.Module, group: Group, mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
+    if isinstance(group, ExpertGroup):
+        shard_experts(block.get_submodule(group.name), mesh, group.layout)
+    else:
+        _apply_pairs(block, group, mesh, styles)
+    replaced: dict[int, Any] = {}
+    for path, attr in group.scaled_attributes:
+        owner = _resolve_owner(block, path, replaced)
+        setattr(owner, attr, group.per_rank(getattr(owner, attr), mesh.size()))
+
+
+def _apply_pairs(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
     for name, shard in group.columns.items():
         if name in styles:
             continue  # the user's own ParallelStyle for this layer wins
@@ -64,10 +78,6 @@ def _apply_group(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: d
             shard_row(block.get_submodule(name), mesh, transposed=True)
         else:
             styles.setdefault(name, RowwiseParallel())
-    replaced: dict[int, Any] = {}
-    for path, attr in group.scaled_attributes:
-        owner = _resolve_owner(block, path, replaced)
-        setattr(owner, attr, group.per_rank(getattr(owner, attr), mesh.size()))
 
 
 def _resolve_owner(block: nn.Module, path: str, replaced: dict[int, Any]) -> Any:
@@ -100,25 +110,47 @@ def apply_tensor_parallel(
     *,
     tp_plan: Mapping[str, PlanEntry],
     verify: bool,
-    apply_to: Optional[Sequence[nn.Module]] = None,
+    apply_to: Optional[Sequence[int]] = None,
+    capture: Optional[Callable[[nn.Module], tuple[tuple, dict]]] = None,
 ) -> dict[str, str]:
-    """Plan tensor parallelism on the first block, check it, apply it to every block (or to ``apply_to``, the
-    blocks of this rank's pipeline stages) and to ``tp_plan``'s other entries. Returns the applied plan as
-    ``{module name pattern: style}``."""
+    """Plan tensor parallelism once per block structure (blocks that differ — dense and mixture-of-experts
+    layers, a first block owning a shared module — get a plan each, on their first block), check it, apply it to
+    every block (or to the blocks ``apply_to`` indexes, this rank's pipeline stages) and to ``tp_plan``'s other
+    entries. ``block_call`` is the first block's call; ``capture(block)`` returns another block's. Returns the
+    applied plan as ``{module name pattern: style}``."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
     outside = {name: entry for name, entry in overrides.items() if not name.startswith(blocks_path + ".")}
-    plan = plan_tensor_parallel(root, blocks_path, blocks, block_call, mesh, tp_plan=tp_plan, verify=verify)
-    if not plan.groups and not plan.custom:
-        log.warning(f"Tensor parallelism found no linear pairs to shard in {type(blocks[0]).__name__}; tp only replicates.")
-    for block in blocks if apply_to is None else apply_to:
-        was_training = block.training
-        apply_block_plan(block, plan, mesh)
-        block.train(was_training)
+    structures = block_structures(blocks)
+    described: dict[str, str] = {}
+    for indices in structures:
+        targets = [i for i in indices if apply_to is None or i in apply_to]
+        if not targets:
+            continue  # another pipeline stage's blocks
+        call = block_call if indices[0] == 0 else _capture(capture, blocks, indices[0])
+        plan = plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
+                                    indices=indices)
+        if not plan.groups and not plan.custom:
+            log.warning(f"Tensor parallelism found no layers to shard in {type(blocks[indices[0]]).__name__}.")
+        for index in targets:
+            block = blocks[index]
+            was_training = block.training
+            apply_block_plan(block, plan, mesh)
+            block.train(was_training)
+        prefixes = [f"{blocks_path}.*"] if len(structures) == 1 else [blocks.name(i) for i in indices]
+        described.update({k: v for prefix in prefixes for k, v in plan.describe(prefix).items()})
     for name, entry in outside.items():
         style = style_for(entry)
         if style is not None:
             parallelize_module(root.get_submodule(name), mesh, style)
-    return {**plan.describe(f"{blocks_path}.*"), **{name: str(entry) for name, entry in outside.items()}}
+    return {**described, **{name: str(entry) for name, entry in outside.items()}}
+
+
+def _capture(capture: Optional[Callable[[nn.Module], tuple[tuple, dict]]], blocks: BlockList,
+             index: int) -> tuple[tuple, dict]:
+    if capture is None:
+        raise ValueError(f"{blocks.name(index)} differs in structure from the first block: planning it needs its"
+                         " own call (pass capture=...).")
+    return capture(blocks[index])
 
 
 def plan_tensor_parallel(
@@ -130,27 +162,31 @@ def plan_tensor_parallel(
     *,
     tp_plan: Mapping[str, PlanEntry],
     verify: bool,
+    indices: Optional[Sequence[int]] = None,
 ) -> BlockPlan:
-    """The plan for every block, from the first block's data flow on ``block_call``; with ``verify``, each pair
-    group's candidates and then the whole plan are checked against the unsharded block on ``mesh`` (collective
-    over it; raises ``RuntimeError`` naming the layers to keep whole if no candidate computes the same)."""
-    in_block = block_tp_overrides(root, tp_plan, blocks_path, blocks.keys)
+    """The plan for the blocks ``indices`` names (all blocks by default; they must share one structure), from
+    the first one's data flow on ``block_call``; with ``verify``, each pair group's candidates and then the whole
+    plan are checked against the unsharded block on ``mesh`` (collective over it; raises ``RuntimeError`` naming
+    the layers to keep whole if no candidate computes the same)."""
+    indices = list(range(len(blocks))) if indices is None else list(indices)
+    in_block = block_tp_overrides(root, tp_plan, blocks_path, [blocks.keys[i] for i in indices])
     accelerator_rng = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator_rng):  # planning must not shift the user's random streams
-        reference = _reference_copy(blocks[0], mesh)
+        reference = _reference_copy(blocks[indices[0]], mesh)
         args, kwargs = _check_inputs(block_call, reference, mesh)
         reference.eval()  # dropout would make the unsharded and sharded outputs differ
         trace = trace_block(reference, args, kwargs)
         custom, candidates = plan_block(reference, trace, mesh.size(), in_block)
-        groups = [_settle_group(reference, options, args, kwargs, mesh, verify, blocks_path) for options in candidates]
+        where = blocks.name(indices[0])
+        groups = [_settle_group(reference, options, args, kwargs, mesh, verify, where) for options in candidates]
         plan = BlockPlan(groups=groups, custom=custom)
         if verify:
-            _verify_whole_plan(reference, plan, args, kwargs, mesh, blocks_path)
+            _verify_whole_plan(reference, plan, args, kwargs, mesh, where)
     return plan
 
 
 def _settle_group(
-    reference: nn.Module, options: list[PairGroup], args: tuple, kwargs: dict, mesh: DeviceMesh, verify: bool, where: str
+    reference: nn.Module, options: list[Group], args: tuple, kwargs: dict, mesh: DeviceMesh, verify: bool, where: str
 ) -> PairGroup:
     """The first candidate sharding of one pair group whose block output matches the unsharded block."""
     if not verify:

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_hybrid.parallel.dataflow import BlockTrace, attribute_holders
+from lightning_hybrid.parallel.tp_experts import ExpertLayout, expert_layouts, holds_expert_stack
 from lightning_hybrid.parallel.tp_heads import ColumnShard, add_head_ratios, column_options
 
 PlanEntry = Union[str, ParallelStyle]
@@ -66,10 +67,34 @@ class PairGroup:
 
 
 @dataclass
+class ExpertGroup:
+    """A module of stacked experts sharded along each expert's hidden width (:mod:`.tp_experts`)."""
+
+    name: str
+    layout: ExpertLayout
+    scaled_attributes: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def layers(self) -> list[str]:
+        return [self.name]
+
+    def per_rank(self, value: int, tp: int) -> int:
+        return value // tp
+
+    def describe(self) -> str:
+        dims = ", ".join(f"{name} dim {dim}" + (f" (strided x{pieces})" if pieces > 1 else "")
+                         for name, dim, pieces in self.layout)
+        return f"experts ({dims})"
+
+
+Group = Union[PairGroup, ExpertGroup]
+
+
+@dataclass
 class BlockPlan:
     """Tensor-parallel plan of one block, in module names relative to the block."""
 
-    groups: list[PairGroup]
+    groups: list[Group]
     custom: dict[str, ParallelStyle] = field(default_factory=dict)
 
     def describe(self, prefix: str = "") -> dict[str, str]:
@@ -77,11 +102,15 @@ class BlockPlan:
         at = (prefix + ".") if prefix else ""
         described: dict[str, str] = {}
         for group in self.groups:
+            if isinstance(group, ExpertGroup):
+                described[at + group.name] = group.describe()
+                continue
             for name, shard in group.columns.items():
                 if name in self.custom:
                     continue
                 described[at + name] = shard.describe()
             described.update({at + name: "rowwise" for name in group.rows if name not in self.custom})
+        for group in self.groups:
             described.update({f"{at}{obj}.{attr}" if obj else at + attr: "÷tp" for obj, attr in group.scaled_attributes})
         described.update({at + name: type(style).__name__ for name, style in self.custom.items()})
         return described
@@ -93,21 +122,43 @@ def plan_block(
     trace: BlockTrace,
     tp_size: int,
     overrides: Mapping[str, PlanEntry] | None = None,
-) -> tuple[dict[str, ParallelStyle], list[list[PairGroup]]]:
-    """Classify the block's linear layers; return the user's explicit styles and, per pair group, the candidate
-    shardings to verify (most likely first).
+) -> tuple[dict[str, ParallelStyle], list[list[Group]]]:
+    """Classify the block's linear layers; return the user's explicit styles and, per pair group (and module of
+    stacked experts), the candidate shardings to verify (most likely first).
 
     ``overrides`` maps block-relative module names (already resolved from user patterns) to a style.
     """
     overrides = dict(overrides or {})
-    _reject_unplannable_modules(block, trace, overrides)
+    experts = [name for name, module in block.named_modules()
+               if name not in overrides and name not in trace.linears and holds_expert_stack(module)]
+    _reject_unplannable_modules(block, trace, {**overrides, **dict.fromkeys(experts, "experts")})
     custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
     roles = _classify(trace, overrides)
-    candidates = [
-        _group_candidates(block, trace, columns, rows, tp_size)
+    candidates: list[list[Group]] = [
+        list(_group_candidates(block, trace, columns, rows, tp_size))
         for columns, rows in _pair_groups(trace, roles)
     ]
-    return custom, candidates
+    return custom, candidates + [_expert_candidates(block, trace, name, tp_size) for name in experts]
+
+
+def _expert_candidates(block: nn.Module, trace: BlockTrace, name: str, tp: int) -> list[Group]:
+    """Layouts of a module of stacked experts, each with the attributes to try rescaling."""
+    module = block.get_submodule(name)
+    stream_widths = {use.in_features for use in trace.linears.values()
+                     if any(source.startswith("arg") for source in use.sources)}
+    layouts = expert_layouts(module, stream_widths, tp)
+    if not layouts:
+        raise ValueError(
+            f"tp={tp} does not divide the experts' hidden width in {type(module).__name__} {name!r} (parameter"
+            f" shapes {[tuple(p.shape) for p in module.parameters(recurse=False)]}). Choose a tp that divides it,"
+            f" or pass tp_plan={{'*.{name}': 'replicate'}} to keep the experts whole."
+        )
+    groups: list[Group] = []
+    for layout in layouts:
+        sizes = {module.get_parameter(param).shape[dim] // pieces for param, dim, pieces in layout}
+        likely, doubtful = _attributes_to_scale(trace, name, sizes, set(), block)
+        groups += [ExpertGroup(name, layout, list(subset)) for subset in _subsets(likely, doubtful)]
+    return groups[:_MAX_TRIALS]
 
 
 def _classify(trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> dict[str, str]:
@@ -177,7 +228,7 @@ def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: 
     """Matrix-shaped parameters outside the traced linear layers cannot be sharded automatically: ask the user
     what to do."""
     for name, module in block.named_modules():
-        if name in trace.linears or isinstance(module, nn.Linear) or name in overrides:
+        if name in trace.linears or name in trace.opaque or isinstance(module, nn.Linear) or name in overrides:
             continue
         own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
         if own:
@@ -272,24 +323,25 @@ def resolve_overrides(tp_plan: Mapping[str, PlanEntry], names: list[str]) -> dic
 
 def block_tp_overrides(root: nn.Module, tp_plan: Mapping[str, PlanEntry], blocks_path: str,
                        keys: Sequence[str]) -> dict[str, PlanEntry]:
-    """``tp_plan``'s entries for the blocks, relative to one block (the plan every block gets); ``keys`` are the
-    blocks' names in their container."""
+    """``tp_plan``'s entries for the blocks ``keys`` names (their names in their container; blocks of one
+    structure), relative to one block: the plan each of them gets."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
     return _per_block_overrides(overrides, blocks_path, keys)
 
 
 def _per_block_overrides(overrides: Mapping[str, PlanEntry], blocks_path: str,
                          keys: Sequence[str]) -> dict[str, PlanEntry]:
-    """``tp_plan`` entries inside the blocks, relative to one block; one plan serves every block."""
+    """``tp_plan`` entries inside the blocks ``keys`` names, relative to one block; one plan serves them all."""
     per_block: dict[str, dict[str, PlanEntry]] = {key: {} for key in keys}
     for name, entry in overrides.items():
         if name.startswith(blocks_path + "."):
             key, _, relative = name[len(blocks_path) + 1:].partition(".")
-            per_block[key][relative] = entry
+            if key in per_block:
+                per_block[key][relative] = entry
     plans = list(per_block.values())
     if any(entries != plans[0] for entries in plans):
         raise ValueError(
-            f"tp_plan entries inside '{blocks_path}' must treat every block alike (one plan is applied to all"
-            f" blocks); write them with a wildcard, e.g. '{blocks_path}.*.attn.qkv'."
+            f"tp_plan entries inside '{blocks_path}' must treat every block of one structure alike (one plan is"
+            f" applied to all of them); write them with a wildcard, e.g. '{blocks_path}.*.attn.qkv'."
         )
     return plans[0]

@@ -1,0 +1,100 @@
+"""Tensor parallelism for mixture-of-experts layers that hold their experts as stacked 3-D weights.
+
+A Hugging Face ``MixtralExperts`` (and its kin) keeps every expert's projections in one parameter
+(``gate_up_proj``: ``(experts, 2 × hidden, width)``, ``down_proj``: ``(experts, width, hidden)``) and routes
+tokens inside its forward. Each expert is an MLP, so it shards like one, Megatron-style: every rank keeps *all*
+experts but only its slice of each expert's hidden width (its chunk of the gate half and of the up half of
+``gate_up_proj``, the matching columns of ``down_proj``). Routing, expert indexing and token bookkeeping then run
+unchanged on every rank, each rank's output is a partial sum, and one all-reduce completes it. The router is an
+ordinary linear layer whose output does not feed a row layer, so the planner keeps it whole.
+
+Which dimension of each weight is the hidden width (and whether it holds two fused halves) is not written
+anywhere; :func:`expert_layouts` lists the layouts the shapes allow and the planner keeps the first whose sharded
+block computes what the unsharded one does. :func:`shard_experts` applies one: parameters become DTensors
+(``Shard``/``StridedShard`` on the tensor mesh, so state dicts keep the unmodified layout) and the module's own
+forward runs on the local shards.
+
+Example::
+
+    layouts = expert_layouts(block.mlp.experts, stream_widths={32}, tp=2)
+    layouts[1]      # (("gate_up_proj", 1, 2), ("down_proj", 2, 1)): (parameter, dimension, fused pieces)
+    shard_experts(block.mlp.experts, mesh, layouts[1])
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from lightning_hybrid._compat import StridedShard, tree_map
+
+#: ``(parameter name, dimension sharded, number of fused pieces along it)`` for each parameter of the module.
+ExpertLayout = tuple[tuple[str, int, int], ...]
+#: Fused pieces a hidden dimension may hold: one projection, or gate|up concatenated.
+_PIECES = (1, 2)
+
+
+def holds_expert_stack(module: nn.Module) -> bool:
+    """Whether ``module`` keeps experts stacked in its own ≥3-D parameters."""
+    return any(p.dim() >= 3 for p in module.parameters(recurse=False))
+
+
+def expert_layouts(module: nn.Module, stream_widths: set[int], tp: int) -> list[ExpertLayout]:
+    """Every way to shard each of ``module``'s own parameters along one non-expert dimension that is not the
+    model width (``stream_widths``) and that ``tp`` (times its fused pieces) divides."""
+    per_parameter = []
+    for name, parameter in module.named_parameters(recurse=False):
+        options = [(name, dim, pieces) for dim in range(1, parameter.dim()) for pieces in _PIECES
+                   if parameter.shape[dim] not in stream_widths and parameter.shape[dim] % (tp * pieces) == 0]
+        if not options:
+            return []
+        per_parameter.append(options)
+    return list(itertools.product(*per_parameter))
+
+
+def shard_experts(module: nn.Module, mesh: DeviceMesh, layout: ExpertLayout) -> None:
+    """Shard ``module``'s parameters as ``layout`` says; its forward then runs on the local shards."""
+    for name, dim, pieces in layout:
+        placement = StridedShard(dim, split_factor=pieces) if pieces > 1 else Shard(dim)
+        local = getattr(module, name).detach()
+        setattr(module, name, nn.Parameter(distribute_tensor(local, mesh, [placement])))
+    module.__class__ = _local_class(type(module))
+    module.tp_sharded = tuple(name for name, _, _ in layout)
+
+
+_LOCAL_CLASSES: dict[type, type] = {}
+
+
+def _local_class(cls: type) -> type:
+    if cls not in _LOCAL_CLASSES:
+        _LOCAL_CLASSES[cls] = type(f"ShardedExperts{cls.__name__}", (cls,), {"forward": _local_forward})
+    return _LOCAL_CLASSES[cls]
+
+
+def _local_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The module's own forward on local shards: inputs' gradients are partial sums over the ranks (each rank
+    back-propagates through its slice of every expert), the output's partial sums are all-reduced."""
+    mesh = self._parameters[self.tp_sharded[0]].device_mesh
+
+    def partial_gradient(value: Any) -> Any:
+        if not (isinstance(value, Tensor) and value.is_floating_point()):
+            return value
+        return DTensor.from_local(value, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+    def summed(value: Any) -> Any:
+        if not (isinstance(value, Tensor) and value.is_floating_point()):
+            return value
+        return DTensor.from_local(value, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    args, kwargs = tree_map(partial_gradient, (args, kwargs))
+    sharded = {name: self._parameters[name] for name in self.tp_sharded}
+    self._parameters.update({name: parameter.to_local() for name, parameter in sharded.items()})
+    try:  # the parameters are swapped back even if the forward raises (the plan check tries wrong layouts)
+        out = super(type(self), self).forward(*args, **kwargs)
+    finally:
+        self._parameters.update(sharded)
+    return tree_map(summed, out)
