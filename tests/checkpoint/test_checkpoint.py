@@ -19,6 +19,7 @@ import torch
 from lightning_hybrid.checkpoint.export import export_checkpoint, load_module_state
 from tests.conftest import CHECKPOINTED_LAYERS, CHECKPOINTED_LAYOUTS
 from tests.helpers import ScriptError, relative_difference, run_script
+from tests.models import build_module
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +138,10 @@ def test_rank_killed_mid_save_leaves_no_checkpoint_that_looks_complete(tmp_path:
 # ------------------------------------------------------------------------------ tied weights, transposed layers
 #: Zoo families whose checkpoints hold what the GPT's do not: a weight tied across pipeline stages (``tied``, saved
 #: by dp2 × pp2) and Conv1D weights sharded over their columns, strided for the fused q|k|v (``hf_gpt2``, dp2 × tp2).
-SOURCES = {"tied": ["--dp", 2, "--pp", 2, "--devices", 4], "hf_gpt2": ["--dp", 2, "--tp", 2, "--devices", 4]}
+#: Phi-3's fused q|k|v of unequal pieces (kept whole on every tensor-parallel rank) and fused gate|up (strided),
+#: Mixtral's 3-D expert weights (strided along their hidden width, FSDP2-sharded over the experts).
+SOURCES = {"tied": ["--dp", 2, "--pp", 2, "--devices", 4], "hf_gpt2": ["--dp", 2, "--tp", 2, "--devices", 4],
+           "hf_phi3": ["--dp", 2, "--tp", 2, "--devices", 4], "hf_mixtral": ["--dp", 2, "--tp", 2, "--devices", 4]}
 #: Each family's weight stored under two names.
 TIED_NAMES = {"tied": ("model.embed.weight", "model.head.weight"),
               "hf_gpt2": ("model.transformer.wte.weight", "model.lm_head.weight")}
@@ -179,3 +183,20 @@ def test_tied_and_transposed_weights_are_saved_as_the_module_has_them_and_resume
     print(f"{model} {SOURCES[model]} -> {target}: losses max rel {losses:.2e}, params max rel {params:.2e}")
     assert losses <= 1e-5 and params <= 1e-5
     assert torch.equal(resumed["params"][first], resumed["params"][second])
+
+
+@pytest.mark.parametrize("model", ["hf_phi3", "hf_mixtral"])
+def test_grouped_query_and_expert_weights_are_saved_in_the_module_layout_and_resume_under_another_layout(
+    model: str, zoo_source, tmp_path: Path
+) -> None:
+    source = zoo_source(model)
+    saved = load_module_state(source["checkpoint"])
+    plain = build_module(model).state_dict()
+    assert {name: tuple(t.shape) for name, t in saved.items()} == {name: tuple(t.shape) for name, t in plain.items()}
+    resumed = run_script(["--model", model, "--pp", 2, "--devices", 2, "--ckpt-path", source["checkpoint"],
+                          "--out", tmp_path / "r.pt"])
+    for name, tensor in resumed["initial_params"].items():
+        assert torch.equal(saved[name], tensor), name
+    losses, params = _differences(source["result"], resumed)
+    print(f"{model} {SOURCES[model]} -> pp2: losses max rel {losses:.2e}, params max rel {params:.2e}")
+    assert losses <= 1e-5 and params <= 1e-5
