@@ -33,13 +33,15 @@ CASES: dict[str, tuple[str, ...]] = {
     "tied": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
     "hf_gpt2": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
     "fused_gqa": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
-    "hf_qwen2": ("dp2", "pp2", "dp2_pp2", "pp2_zbv"),
-    "hf_phi3": ("dp2", "pp2", "dp2_pp2"),
-    "hf_mixtral": ("dp2", "pp2", "dp2_pp2"),
-    "hf_gpt_neox": ("dp2", "pp2", "dp2_pp2"),
-    "hf_bert": ("dp2", "pp2", "dp2_pp2", "pp2_zbv"),
-    "hf_vit": ("dp2", "pp2", "dp2_pp2"),
+    "hf_qwen2": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
+    "hf_phi3": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
+    "hf_mixtral": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
+    "hf_gpt_neox": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
+    "hf_bert": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
+    "hf_vit": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "hf_t5_encoder": ("dp2", "pp2", "dp2_pp2"),
+    "mixed_moe": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
+    "hf_qwen2_mqa": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
 }
 
 
@@ -108,6 +110,12 @@ def test_blocks_in_a_module_dict_are_found_by_structure() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the README's table
+#: Family × layout → what stops it before training (and the message that says so), for layouts not supported.
+REFUSED: dict[tuple[str, str], tuple[str, str]] = {
+    (model, layout): ("a per-head position bias shared across blocks", r"cannot shard Embedding"
+                      r" 'layer\.0\.SelfAttention\.relative_attention_bias'.*tp_plan=")
+    for model in ("hf_t5_encoder",) for layout in ("tp2", "tp2_pp2", "dp2_tp2_pp2")
+}
 #: How each family is described in the README.
 DESCRIPTIONS = {
     "titan": "torchtitan-style Llama (ModuleDict blocks, complex rotary buffer, torchmetrics logged)",
@@ -123,16 +131,19 @@ DESCRIPTIONS = {
     "hf_bert": "Hugging Face BERT masked LM (bidirectional, head with a transform and a tied decoder)",
     "hf_vit": "Hugging Face ViT on tokens as image patches (class token, position table, dtype read across stages)",
     "hf_t5_encoder": "Hugging Face T5 encoder (relative position bias from the first block handed to the others)",
+    "mixed_moe": "dense blocks alternating with mixture-of-experts blocks of another class (nn.Linear experts)",
+    "hf_qwen2_mqa": "Hugging Face Qwen2, other sizes: width 48, 6 heads, 1 key/value head, untied head",
 }
 
 
 def tested_models_table() -> str:
-    """The README's "Tested models" table: ✓ = trains like single-process Lightning (tests above), – = not run
-    (the model's sizes do not fit the layout)."""
+    """The README's "Tested models" table: ✓ = trains like single-process Lightning (tests above), a phrase =
+    stops before training with a message naming the module and what to pass, – = not run."""
     header = "| model | " + " | ".join(LAYOUTS) + " |"
     lines = [header, "|" + " --- |" * (len(LAYOUTS) + 1)]
     for model, layouts in CASES.items():
-        cells = ["✓" if layout in layouts else "–" for layout in LAYOUTS]
+        cells = ["✓" if layout in layouts else f"clear error ({REFUSED[(model, layout)][0]})"
+                 if (model, layout) in REFUSED else "–" for layout in LAYOUTS]
         lines.append(f"| {DESCRIPTIONS[model]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -140,3 +151,19 @@ def tested_models_table() -> str:
 def test_the_readme_table_is_the_zoo() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert tested_models_table() in readme, "regenerate it: python -c 'from tests.test_zoo import *; print(tested_models_table())'"
+
+
+@pytest.mark.parametrize(("model", "layout"), list(REFUSED))
+def test_unsupported_combinations_stop_with_a_message_naming_the_module(model: str, layout: str) -> None:
+    import torch
+
+    from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+    from lightning_hybrid.parallel.dataflow import trace_block
+    from lightning_hybrid.parallel.tp_plan import plan_block
+
+    module = build_module(model)
+    _, blocks = find_block_list(module)
+    tokens = torch.randint(0, 64, (2, 16))
+    args, kwargs = capture_block_call(blocks[0], lambda: module(tokens))
+    with pytest.raises(ValueError, match=REFUSED[(model, layout)][1]):
+        plan_block(blocks[0], trace_block(blocks[0], args, kwargs), 2)

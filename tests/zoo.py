@@ -257,4 +257,15 @@ ZOO: dict[str, ZooEntry] = {
     "hf_bert": ZooEntry(hf.hugging_face_bert, "num_hidden_layers"),
     "hf_vit": ZooEntry(hf.TokensAsImageViT, "num_hidden_layers"),
     "hf_t5_encoder": ZooEntry(hf.T5EncoderLM, "num_layers"),
+    "mixed_moe": ZooEntry(lambda config: _mixed_moe(config), "n_layers"),
+    # the same family in another configuration: other width and head count, one key/value head, untied head
+    "hf_qwen2_mqa": ZooEntry(lambda config: hf.hugging_face_qwen2(
+        {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 1, "tie_word_embeddings": False,
+         **config}), "num_hidden_layers"),
 }
+
+
+def _mixed_moe(config: dict[str, Any]) -> nn.Module:
+    from tests.zoo_mixed import MixedConfig, MixedLM  # it builds on this module's blocks
+
+    return MixedLM(MixedConfig(**config))
