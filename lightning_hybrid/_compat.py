@@ -48,6 +48,13 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dimensions are ``meshes``' (each of the same root mesh). torch 2.13 deprecates slicing a
+    flattened dimension out of the root mesh (``mesh["data_parallel", "tensor_parallel"]`` warns) and has no
+    public way to combine flattened meshes; FSDP2 builds its data × tensor mesh with this same call."""
+    return DeviceMesh._concatenate(meshes)
+
+
 def in_autograd_engine() -> bool:
     """Whether the current operation runs inside autograd's engine (backward, or a checkpoint's recomputation).
     No public query exists; the graph task id is -1 outside the engine."""
@@ -131,11 +138,12 @@ def setup_process_group(strategy: Any) -> None:
     strategy._setup_distributed()
 
 
-def publish_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:
-    """Make ``mesh`` the strategy's ``device_mesh`` and the LightningModule's ``self.device_mesh``, as
-    ``ModelParallelStrategy`` does: both properties read attributes that have no public setter."""
+def publish_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh, module_mesh: DeviceMesh | None = None) -> None:
+    """Make ``mesh`` the strategy's ``device_mesh`` and ``module_mesh`` (default: ``mesh``) the LightningModule's
+    ``self.device_mesh``, as ``ModelParallelStrategy`` does: both properties read attributes that have no public
+    setter."""
     strategy._device_mesh = mesh
-    module._device_mesh = mesh
+    module._device_mesh = mesh if module_mesh is None else module_mesh
 
 
 def call_through_module(strategy: Any, module: Any, method: str, *args: Any, **kwargs: Any) -> Any:

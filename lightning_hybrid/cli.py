@@ -87,7 +87,7 @@ def _add_plan_command(commands: Any) -> None:
     cluster.add_argument("--gpus-per-node", type=int, default=8)
     cluster.add_argument("--efficiency", type=float, default=0.5, help="achievable share of peak (default 0.5)")
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    plan.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed (default) or bf16-true")
+    plan.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed (default), bf16-true or 16-true")
     plan.add_argument("--top", type=int, default=10, help="layouts to show, of each kind (default 10)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -10,6 +10,12 @@ Example::
 
     dims = ParallelDims(world_size=8, dp="auto", tp=2, pp=2)
     mesh, data_mesh = dims.build_mesh("cpu")   # mesh["tp"], mesh["dp_shard"], ...; data_mesh: replicas × shards
+    lightning_view(mesh)                       # 2-D (data_parallel, tensor_parallel), as ModelParallelStrategy builds
+
+:func:`lightning_view` is the 2-D mesh a LightningModule written for Lightning's
+:class:`~lightning.pytorch.strategies.ModelParallelStrategy` receives (see :mod:`lightning_hybrid.model_parallel`);
+it also gives ``mesh`` Lightning's names as flattened aliases: ``mesh["data_parallel"]`` (replicas × shards) and
+``mesh["tensor_parallel"]`` (``tp``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_hybrid._compat import flatten_mesh
+from lightning_hybrid._compat import concatenate_meshes, flatten_mesh
 from lightning_hybrid.options import AUTO, Degree, check_degrees
 
 PIPELINE = "pp"
@@ -28,6 +34,9 @@ TENSOR = "tp"
 MESH_DIMS = (PIPELINE, DATA_REPLICATE, DATA_SHARD, TENSOR)
 #: The two data-parallel dimensions; FSDP2 shards over the last one and replicates over the first (HSDP).
 DATA_DIMS = (DATA_REPLICATE, DATA_SHARD)
+#: Lightning's names (``ModelParallelStrategy``): all data-parallel ranks, and the tensor-parallel ranks.
+DATA_PARALLEL = "data_parallel"
+TENSOR_PARALLEL = "tensor_parallel"
 
 
 @dataclass
@@ -91,3 +100,11 @@ class ParallelDims:
         flatten_mesh(mesh[(DATA_REPLICATE, DATA_SHARD, TENSOR)], "dp_tp")
         return mesh, data_mesh
 
+
+def lightning_view(mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D mesh ``(data_parallel, tensor_parallel)`` of :func:`ParallelDims.build_mesh`'s ``mesh``: Lightning's
+    ``ModelParallelStrategy`` mesh, over this rank's pipeline stage (the whole job when pp = 1, with the same
+    rank layout: rank = data-parallel index × tp + tensor-parallel index). Registers both names on ``mesh`` too."""
+    data = flatten_mesh(mesh[DATA_DIMS], DATA_PARALLEL)
+    tensor = flatten_mesh(mesh[TENSOR], TENSOR_PARALLEL)
+    return concatenate_meshes([data, tensor])

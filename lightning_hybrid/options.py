@@ -27,7 +27,7 @@ from lightning_hybrid.plan.hardware import Cluster
 AUTO = "auto"
 Degree = Union[int, Literal["auto"]]
 #: Lightning precision flags the strategy serves (see :mod:`lightning_hybrid.parallel.precision`).
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 #: ZeRO levels FSDP2 offers (see :mod:`lightning_hybrid.parallel.sharding`).
 ZERO_LEVELS = (2, 3)
 

@@ -30,24 +30,19 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid import _compat
+from lightning_hybrid import _compat, model_parallel
 from lightning_hybrid.checkpoint import lightning_io
 from lightning_hybrid.checkpoint.resume import SamplerEpochOnResume
 from lightning_hybrid.first_step import run_first_step
-from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.mesh import ParallelDims, lightning_view
 from lightning_hybrid.metrics import sync_over
 from lightning_hybrid.observe.monitor import ParallelMonitor
 from lightning_hybrid.options import Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
 from lightning_hybrid.parallel.blocks import capture_block_call
-from lightning_hybrid.parallel.parallelize import accept_user_parallelism, already_parallel, find_blocks, parallelize
-from lightning_hybrid.parallel.precision import (
-    HybridHalfPrecision,
-    HybridPrecision,
-    let_standalone_trainer_reach_precision,
-    precision_plugin_for,
-    refuse_standalone_lightning,
-)
+from lightning_hybrid.parallel.parallelize import accept_user_parallelism, find_blocks, parallelize
+from lightning_hybrid.parallel.precision import HybridPrecision, let_standalone_trainer_reach_precision, serving_plugin
+from lightning_hybrid.parallel.sharding import buffers_to_device
 from lightning_hybrid.parallel.tp_plan import PlanEntry
 from lightning_hybrid.pipeline.runtime import Pipeline
 from lightning_hybrid.pipeline.schedules import PipelineSchedule
@@ -67,8 +62,9 @@ class HybridStrategy(ModelParallelStrategy):
         trainer = Trainer(accelerator="cpu", devices=4, strategy="hybrid")   # dp=4
         trainer = Trainer(accelerator="gpu", devices=8, strategy=HybridStrategy(tp="auto", pp="auto"))
 
-    The device mesh has the named dimensions ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``; the LightningModule
-    reaches it as ``self.device_mesh``. ``strategy.data_mesh`` flattens the data-parallel ranks (replicas × shards).
+    ``strategy.device_mesh`` has the named dimensions ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp`` (and
+    Lightning's ``data_parallel``, ``tensor_parallel`` as aliases); ``strategy.data_mesh`` flattens the data-parallel
+    ranks. What the LightningModule sees as ``self.device_mesh``: :mod:`lightning_hybrid.model_parallel`.
 
     Arguments:
         dp, tp, pp, dp_replicate, zero, tp_plan, blocks, pp_schedule, microbatches, virtual_stages, pp_split,
@@ -76,7 +72,8 @@ class HybridStrategy(ModelParallelStrategy):
             validated at construction into :attr:`options`; each is documented at
             :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
             ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
-            (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`.
+            (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
+            module that parallelizes itself they mean what they mean to ``ModelParallelStrategy``.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
         timeout: Timeout of collective operations: also how long the other ranks can wait on a rank that vanished
             without closing its connections (a killed process's closed connections end the job at once).
@@ -122,6 +119,7 @@ class HybridStrategy(ModelParallelStrategy):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor
         self.dims: Optional[ParallelDims] = None
+        self._module_mesh: Any = None  # Lightning's 2-D mesh while the module may read it
         #: Data-parallel ranks (replicas × shards) flattened into one mesh; set when processes start.
         self.data_mesh: Optional[Any] = None
         #: This rank's pipeline stages and schedules (``None`` when pp=1); set at setup.
@@ -151,19 +149,21 @@ class HybridStrategy(ModelParallelStrategy):
         world_size = self.num_nodes * self.num_processes
         if self.options.chooses_layout:
             self.options.check_fixed_degrees_divide(world_size, self.num_nodes, self.num_processes)
-        else:
-            self.dims = ParallelDims(world_size=world_size, **self.options.degrees)
+        # With tp/pp="auto" these are Lightning's degrees, for configure_model; the layout is chosen at setup.
+        degrees = model_parallel.mesh_degrees(self.options, world_size, self.num_processes)
+        self.dims = ParallelDims(world_size=world_size, **degrees)
 
     @override
     def setup_environment(self) -> None:
         _compat.setup_process_group(self)
-        if self.dims is not None:  # an "auto" layout builds its mesh at setup, once it is chosen
-            self._build_mesh()
+        self._build_mesh(watched_view=True)
 
-    def _build_mesh(self) -> None:
+    def _build_mesh(self, watched_view: bool = False) -> None:
         assert self.dims is not None and self.lightning_module is not None
         mesh, self.data_mesh = self.dims.build_mesh(self.root_device.type)
-        _compat.publish_device_mesh(self, self.lightning_module, mesh)
+        # Until setup the module sees Lightning's 2-D mesh; reading it means the module parallelizes itself.
+        self._module_mesh = model_parallel.watch_reads(lightning_view(mesh)) if watched_view else None
+        _compat.publish_device_mesh(self, self.lightning_module, mesh, self._module_mesh)
 
     @property
     @override
@@ -182,11 +182,7 @@ class HybridStrategy(ModelParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        refuse_standalone_lightning(plugin)
-        # Lightning hands ModelParallelStrategy an autocast plugin for bf16-mixed; FSDP2's policy does that job here.
-        if plugin is not None and not isinstance(plugin, (HybridPrecision, HybridHalfPrecision)):
-            plugin = precision_plugin_for(getattr(plugin, "precision", "32-true"))
-        self._precision_plugin = plugin
+        self._precision_plugin = serving_plugin(plugin)
 
     # ------------------------------------------------------------------------------------------------- setup
     @override
@@ -196,11 +192,15 @@ class HybridStrategy(ModelParallelStrategy):
         if not any(isinstance(callback, SamplerEpochOnResume) for callback in trainer.callbacks):
             trainer.callbacks.append(SamplerEpochOnResume())
         self._add_monitor(trainer)
-        if self._parallelized is not self.model:  # a later trainer.test()/predict() reuses the module fit left
-            if already_parallel(self.model):
-                accept_user_parallelism(self.model, self.options, self.root_device)
-            else:
-                self._parallelize(trainer)
+        read_mesh = model_parallel.stop_watching(self._module_mesh)
+        if self._parallelized is self.model:  # a later trainer.test()/predict() reuses the module fit left
+            _compat.publish_device_mesh(self, self.lightning_module, self.device_mesh)
+        elif model_parallel.parallelizes_itself(self.model, read_mesh, self.data_mesh.size()):
+            self.options = model_parallel.keep_given_degrees(self.options, self.dims)
+            accept_user_parallelism(self.model, self.options, self.root_device)
+            self.precision_plugin.convert_module(self.model)
+        else:
+            self._parallelize(trainer)
         sync_over(self.lightning_module, self.data_mesh.get_group())  # torchmetrics: each replica counted once
         self.model_to_device()
         self.barrier()
@@ -220,12 +220,12 @@ class HybridStrategy(ModelParallelStrategy):
 
     def _parallelize(self, trainer: Trainer) -> None:
         self._parallelized = self.model
+        _compat.publish_device_mesh(self, self.lightning_module, self.device_mesh)  # the module sees our names
         module = self.precision_plugin.convert_module(self.lightning_module)
         if not any(p.is_meta for p in module.parameters()):
             module.to(self.root_device)
         blocks = find_blocks(module, self.options)
-        block_call = self._choose_layout(trainer, module, blocks.path, blocks) if self.dims is None else None
-        assert self.dims is not None
+        block_call = self._choose_layout(trainer, module, blocks.path, blocks) if self.options.chooses_layout else None
         result = parallelize(module, blocks.path, blocks, self.device_mesh, self.dims, self.options,
                              precision=str(self.precision_plugin.precision), device=self.root_device,
                              run_step=lambda microbatches=1: run_first_step(trainer, self.root_device, microbatches),
@@ -254,10 +254,7 @@ class HybridStrategy(ModelParallelStrategy):
         assert self.model is not None
         if not self.options.offload:
             return super().model_to_device()
-        # FSDP2 keeps offloaded shards in CPU memory and copies them over per block; only buffers move.
-        for module in self.model.modules():
-            for key, buffer in list(module.named_buffers(recurse=False)):
-                setattr(module, key, buffer.to(self.root_device))
+        buffers_to_device(self.model, self.root_device)  # FSDP2 keeps offloaded shards in CPU memory
 
     # -------------------------------------------------------------------------------------------- steps
     # FSDP2 hooks the root's __call__; Lightning calls training_step directly, so route steps through __call__.

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_hybrid import HybridStrategy, ParallelDims
 from lightning_hybrid.parallel.blocks import find_block_list
-from lightning_hybrid.parallel.precision import clip_grad_norm_
+from lightning_hybrid.parallel.precision import clip_grad_norm_, precision_plugin_for
 from tests.models import build_module
 
 
@@ -62,7 +62,6 @@ def test_bad_options_fail_at_construction() -> None:
 @pytest.mark.parametrize(
     ("precision", "message"),
     [
-        ("16-true", r"HybridStrategy does not support precision='16-true'. Choose one of 32-true, bf16-mixed, bf16-true"),
         # Lightning's own check for its ModelParallelStrategy family answers first for these.
         ("16-mixed", r"does not support .*precision='16-mixed'.*Choose a different precision among: 32-true"),
         ("64-true", r"does not support .*precision='64-true'.*Choose a different precision among: 32-true"),
@@ -71,6 +70,13 @@ def test_bad_options_fail_at_construction() -> None:
 def test_unsupported_precision_names_the_supported_ones(precision: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), precision=precision, logger=False)
+
+
+def test_a_precision_plugin_the_strategy_cannot_serve_names_the_supported_flags() -> None:
+    # Reached when a plugin instance is passed (Lightning checks only the flag): ModelParallelStrategy's own four.
+    with pytest.raises(ValueError, match=r"does not support precision='16-mixed'. Choose one of 32-true, bf16-mixed,"
+                                         r" bf16-true, 16-true"):
+        precision_plugin_for("16-mixed")
 
 
 def test_pytorch_lightning_trainer_rejects_the_lightning_strategy_by_name() -> None:
@@ -92,7 +98,7 @@ def test_block_list_is_found_by_structure_not_name() -> None:
 
 def test_block_list_errors_say_how_to_name_it() -> None:
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"no nn.ModuleList/nn.Sequential/nn.ModuleDict holds two or more modules of one class.*"
+    with pytest.raises(ValueError, match=r"no nn.ModuleList/nn.Sequential/nn.ModuleDict holds two or more blocks.*"
                                          r"HybridStrategy\(blocks='path.to.block_list'\)"):
         find_block_list(flat)
     with pytest.raises(ValueError, match=r"blocks='model.trunk'\).*has no submodule"):

@@ -9,6 +9,7 @@ precision         sharded parameters      compute / gather   gradient reduction 
 ``32-true``       fp32                    fp32               fp32                 fp32
 ``bf16-mixed``    fp32 (master weights)   bf16               fp32                 fp32
 ``bf16-true``     bf16                    bf16               bf16                 bf16
+``16-true``       fp16                    fp16               fp16                 fp16
 ================  ======================  =================  ===================  ==================
 
 Gradient clipping by norm must see every gradient of the model. Tensor-parallel parameters are DTensors on the
@@ -123,7 +124,8 @@ class HybridPrecision(_MeshClipping, Precision):
 
 
 class HybridHalfPrecision(_MeshClipping, HalfPrecision):
-    """``bf16-true``: parameters, gradients and optimizer state all in bf16."""
+    """``bf16-true`` / ``16-true``: parameters, gradients and optimizer state all in bf16 / fp16 (no loss scaling,
+    as in Lightning's ``HalfPrecision``)."""
 
 
 def precision_plugin_for(flag: str) -> Precision:
@@ -132,9 +134,18 @@ def precision_plugin_for(flag: str) -> Precision:
         raise ValueError(
             f"HybridStrategy does not support precision={flag!r}. Choose one of {', '.join(SUPPORTED_PRECISION)}."
         )
-    if flag == "bf16-true":
+    if flag in ("bf16-true", "16-true"):
         return HybridHalfPrecision(flag)  # type: ignore[arg-type]
     return HybridPrecision(flag)
+
+
+def serving_plugin(plugin: Precision | None) -> Precision | None:
+    """The plugin :class:`HybridStrategy` uses for the one Lightning hands it (``None`` stays ``None``)."""
+    refuse_standalone_lightning(plugin)
+    # Lightning hands ModelParallelStrategy an autocast plugin for bf16-mixed; FSDP2's policy does that job here.
+    if plugin is not None and not isinstance(plugin, (HybridPrecision, HybridHalfPrecision)):
+        plugin = precision_plugin_for(getattr(plugin, "precision", "32-true"))
+    return plugin
 
 
 _STANDALONE_PACKAGE_MESSAGE = (

@@ -108,3 +108,11 @@ def _shard_placement(parameter: nn.Parameter) -> Shard | None:
         if strided:
             return Shard(1 if strided[0].dim == 0 else 0)
     return None
+
+
+def buffers_to_device(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s buffers to ``device``, leaving its parameters where they are: with CPU offload FSDP2 keeps
+    the sharded parameters in CPU memory and copies them to the device per block itself."""
+    for submodule in module.modules():
+        for key, buffer in list(submodule.named_buffers(recurse=False)):
+            setattr(submodule, key, buffer.to(device))

@@ -28,9 +28,9 @@ microbatch all-gathers and reduce-scatters as a whole step would. (With p > 1, m
 
 Memory per GPU
     Model states: parameters + gradients + AdamW moments per the README's dtype table (32-true 4+4+8 B,
-    bf16-mixed 4+4+8 with fp32 master weights, bf16-true 2+2+4) × the rank's tp-local parameters ÷ d. Only blocks
-    are tensor-parallel (matrices ÷ t, 1-D norms/biases whole); embeddings (first stage), final norm and head
-    (last stage) are whole on every tp rank. Gradients count at the activation peak (conservative: Lightning
+    bf16-mixed 4+4+8 with fp32 master weights, bf16-true and 16-true 2+2+4) × the rank's tp-local parameters ÷ d.
+    Only blocks are tensor-parallel (matrices ÷ t, 1-D norms/biases whole); embeddings (first stage), final norm
+    and head (last stage) are whole on every tp rank. Gradients count at the activation peak (conservative: Lightning
     frees them between steps). Gathered parameters, compute dtype, plus the root unit, as FSDP2's peak was measured
     (BENCHMARKS.md, Planner): ZeRO-3 three blocks (a prefetched block's all-gather output and its copied-out
     parameters exist together), ZeRO-2 the stage and two blocks' all-gather buffers; none without FSDP2, which
@@ -104,7 +104,7 @@ class _Precision:
 
 
 _PRECISIONS = {"32-true": _Precision(4, 4, 8, 4, 4), "bf16-mixed": _Precision(4, 4, 8, 2, 4),
-               "bf16-true": _Precision(2, 2, 4, 2, 2)}
+               "bf16-true": _Precision(2, 2, 4, 2, 2), "16-true": _Precision(2, 2, 4, 2, 2)}
 
 
 def layer_activation_bytes(model: ModelShape, micro_batch: float, tp: int, element_bytes: int) -> float:
