@@ -88,9 +88,10 @@ def test_tensor_parallel_degrees_are_ruled_out_by_the_tensor_parallel_planner() 
     gpt_path, _, gpt_call = _first_block_call(gpt)
     llama_path, _, llama_call = _first_block_call(llama)
     gpt_obstacles = tensor_parallel_obstacles(gpt, gpt_path, gpt_call, [1, 2, 3, 4, 8], {})
-    llama_obstacles = tensor_parallel_obstacles(llama, llama_path, llama_call, [1, 2, 4], {})
+    llama_obstacles = tensor_parallel_obstacles(llama, llama_path, llama_call, [1, 2, 4, 8], {})
     assert sorted(gpt_obstacles) == [3, 8] and "reshaped into 4 × 8" in gpt_obstacles[3]
-    assert sorted(llama_obstacles) == [4] and "'attention.wk'" in llama_obstacles[4]
+    # tp=4 shares each key/value head between two ranks; 8 ranks cannot split 4 query heads.
+    assert sorted(llama_obstacles) == [8] and "'attention.wq'" in llama_obstacles[8]
     # With the user's entries keeping attention whole, only the MLP (width 32 → 128 → 32) is sharded: 8 divides it.
     whole = {f"{gpt_path}.*.attn.qkv": "replicate", f"{gpt_path}.*.attn.proj": "replicate"}
     assert sorted(tensor_parallel_obstacles(gpt, gpt_path, gpt_call, [3, 8], whole)) == [3]
