@@ -177,7 +177,7 @@ def plan_tensor_parallel(
         reference.eval()  # dropout would make the unsharded and sharded outputs differ
         trace = trace_block(reference, args, kwargs)
         custom, candidates = plan_block(reference, trace, mesh.size(), in_block)
-        where = blocks.name(indices[0])
+        where = blocks_path  # messages suggest "<blocks_path>.*.<layer>" entries
         groups = [_settle_group(reference, options, args, kwargs, mesh, verify, where) for options in candidates]
         plan = BlockPlan(groups=groups, custom=custom)
         if verify:
