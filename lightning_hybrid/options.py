@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
@@ -76,6 +77,9 @@ class HybridOptions:
         save_distributed_checkpoint: One DCP shard per rank (``True``) or one consolidated file on rank 0.
         cluster: The hardware an ``"auto"`` layout is planned for (a :class:`~lightning_hybrid.Cluster`
             whose nodes × GPUs per node match the Trainer's); by default GPUs are recognised by name and CPUs probed.
+        weights: A Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``) loaded into the
+            LightningModule's ``PreTrainedModel`` right after sharding, each rank reading only the slices it holds
+            (:mod:`lightning_hybrid.checkpoint.hf_load`); the model may be built on the meta device.
     """
 
     dp: Degree = AUTO
@@ -94,6 +98,7 @@ class HybridOptions:
     verify_tp_plan: bool = True
     save_distributed_checkpoint: bool = True
     cluster: Optional[Cluster] = None
+    weights: Optional[Union[str, os.PathLike]] = None
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: Which blocks are activation-checkpointed (``None``: none).
@@ -109,6 +114,9 @@ class HybridOptions:
         self._check_auto_layout()
         if not isinstance(self.offload, bool):
             raise ValueError(f"HybridStrategy(offload={self.offload!r}) is invalid: pass True (CPU offload) or False.")
+        if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
+            raise ValueError(f"HybridStrategy(weights={self.weights!r}) must be the path of a Hugging Face checkpoint"
+                             " directory.")
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: derived fields are filled in once, here

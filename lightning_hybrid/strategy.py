@@ -68,8 +68,8 @@ class HybridStrategy(ModelParallelStrategy):
 
     Arguments:
         dp, tp, pp, dp_replicate, zero, tp_plan, blocks, pp_schedule, microbatches, virtual_stages, pp_split,
-        activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster: the parallelism,
-            validated at construction into :attr:`options`; each is documented at
+        activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights: the
+            parallelism, validated at construction into :attr:`options`; each is documented at
             :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
             ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
             (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
@@ -105,6 +105,7 @@ class HybridStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         monitor: Union[bool, ParallelMonitor] = True,
         cluster: Optional[Cluster] = None,
+        weights: Optional[Union[str, PathLike]] = None,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -114,7 +115,7 @@ class HybridStrategy(ModelParallelStrategy):
             dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=zero, tp_plan=tp_plan or {}, blocks=blocks,
             pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages, pp_split=pp_split,
             activation_checkpointing=activation_checkpointing, offload=offload, verify_tp_plan=verify_tp_plan,
-            save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster)
+            save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster, weights=weights)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor

@@ -428,6 +428,8 @@ class LMLightningModule(pl.LightningModule):
             on the meta device in ``configure_model`` (the strategy materializes and initializes it);
             ``"per_module"`` builds it eagerly in ``configure_model`` and initializes it with
             :func:`lightning_hybrid.parallel.initialization.init_weights` — what ``"meta"`` must equal on one device.
+        pretrained: A Hugging Face checkpoint directory whose weights replace the built model's (as
+            ``from_pretrained`` loads them): the single-device reference of ``HybridStrategy(weights=...)``.
     """
 
     def __init__(
@@ -441,6 +443,7 @@ class LMLightningModule(pl.LightningModule):
         config: dict[str, Any] | None = None,
         init: Literal["eager", "meta", "per_module"] = "eager",
         log_metrics: bool = False,
+        pretrained: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -464,9 +467,10 @@ class LMLightningModule(pl.LightningModule):
             return TinyLlama(LlamaConfig(**config))
         if model == "tuple":
             return TupleBlocksLM(TupleConfig(**config))
-        if model in ZOO:
-            return ZOO[model].build(config)
-        return hugging_face_llama(config)
+        built = ZOO[model].build(config) if model in ZOO else hugging_face_llama(config)
+        if self.hparams.pretrained:
+            built.load_state_dict(type(built).from_pretrained(self.hparams.pretrained).state_dict())
+        return built
 
     def configure_model(self) -> None:
         if self.model is not None:

@@ -12,7 +12,9 @@
 4. (``torch.compile`` per block belongs here: after checkpointing, before FSDP2, as in torchtitan);
 5. **FSDP2** last: it shards whatever parameters it finds, DTensors included, over the data mesh; with a pipeline
    each stage module is the root of its own units;
-6. **materialization**: a meta-device model gets its values now that each rank holds only its shards.
+6. **materialization**: a meta-device model gets its values now that each rank holds only its shards;
+7. **pretrained weights** (``weights=``): a Hugging Face checkpoint is read into the final shards, each rank
+   reading only its slices of each tensor, so no rank ever holds the whole model.
 
 Example::
 
@@ -34,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_hybrid.checkpoint.hf_load import load_pretrained
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims
 from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
@@ -88,6 +91,9 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, dims, options, precision, result.pipeline)
     # 6. materialization
     apply_materialization(module, torch.device("cpu") if options.offload else device)
+    # 7. pretrained weights, read into the shards in place (needs the final layout: each rank reads its slices)
+    if options.weights is not None:
+        load_pretrained(module, options.weights)
     return result
 
 

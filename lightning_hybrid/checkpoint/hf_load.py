@@ -1,0 +1,112 @@
+"""Load a Hugging Face checkpoint directory straight into the sharded model.
+
+A Hugging Face directory (``config.json`` + ``model.safetensors``, or ``model-0000x-of-0000y.safetensors`` with
+their index) stores the ``PreTrainedModel``'s state dict under its own names, each tensor whole. After the
+strategy has sharded the model (tensor parallelism, pipeline stages, FSDP2), every rank asks
+``torch.distributed.checkpoint`` for exactly the boxes of each global tensor it holds, and DCP's Hugging Face
+storage reader reads those slices from the safetensors files (``safe_open(...).get_slice``): no rank reads a tensor
+it does not hold, none holds the whole model. Fused projections dealt to ranks in strided pieces are described
+piece by piece (:func:`lightning_hybrid.checkpoint.sharded.checkpointable`), as for the strategy's own checkpoints.
+
+Names: the ``PreTrainedModel`` inside the LightningModule is found by type; its path (``model.`` for
+``self.model = AutoModelForCausalLM...``) is stripped from the LightningModule's names. A weight Hugging Face saves
+once because it is tied (``lm_head.weight`` to the token embedding, ``all_tied_weights_keys``) is read from its
+source's name, also on a pipeline stage that holds only the tied copy. Missing, unexpected or shape-mismatched
+names stop loading on every rank with one message listing them, before anything is written.
+
+Example::
+
+    HybridStrategy(tp=2, pp=2, weights="checkpoints/llama-3.2-1b")   # applied right after sharding
+    load_pretrained(lightning_module, "checkpoints/llama-3.2-1b")     # the same, by hand, on every rank
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from lightning_hybrid.checkpoint.sharded import checkpointable
+
+
+def load_pretrained(module: nn.Module, directory: Union[str, os.PathLike]) -> None:
+    """Fill ``module``'s parameters and persistent buffers (as sharded, on every rank; a collective) from the Hugging
+    Face checkpoint ``directory`` for the ``PreTrainedModel`` it contains."""
+    directory = Path(directory)
+    prefix, tied = _pretrained_model(module)
+    reader = _reader(directory)
+    stored = {name: tuple(meta.size) for name, meta in reader.read_metadata().state_dict_metadata.items()}
+    local = {name[len(prefix):]: tensor for name, tensor in get_model_state_dict(module).items()
+             if name.startswith(prefix)}
+    # Where each local tensor's values are stored: its own name, or a tied weight's source (saved once).
+    sources = {name: name if name in stored else tied.get(name, name) for name in local}
+    buffers = {name[len(prefix):] for name, _ in module.named_buffers() if name.startswith(prefix)}
+    _check_names(directory, stored, local, sources, buffers)
+    local = {name: tensor for name, tensor in local.items() if sources[name] in stored}
+    # One DCP load per distinct source name: a tied copy held next to its source is read in a second pass.
+    first: dict[str, torch.Tensor] = {}
+    second: dict[str, torch.Tensor] = {}
+    for name, tensor in local.items():
+        target = first if sources[name] not in first else second
+        if not any(tensor is held for held in first.values()):
+            target[sources[name]] = tensor
+    for state in (first, second):
+        with torch.no_grad(), checkpointable(state):
+            dcp.load(state, storage_reader=_reader(directory))
+
+
+def _pretrained_model(module: nn.Module) -> tuple[str, dict[str, str]]:
+    """The outermost ``PreTrainedModel``'s name prefix and its tied ``{target: source}`` names."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as error:
+        raise ImportError("Loading a Hugging Face checkpoint needs the `transformers` package.") from error
+    for name, candidate in module.named_modules():
+        if isinstance(candidate, PreTrainedModel):
+            tied = dict(getattr(candidate, "all_tied_weights_keys", None) or {})
+            if not candidate.config.tie_word_embeddings:
+                tied = {}
+            return (f"{name}." if name else ""), tied
+    raise ValueError(
+        f"HybridStrategy(weights=...) loads a Hugging Face checkpoint into the transformers.PreTrainedModel of the"
+        f" LightningModule, but {type(module).__name__} holds none. Load other weights in configure_model (before"
+        " sharding) or with Lightning's checkpoint loading."
+    )
+
+
+def _reader(directory: Path) -> Any:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    if not directory.is_dir() or not any(directory.glob("*.safetensors")):
+        raise FileNotFoundError(f"{directory} is not a Hugging Face checkpoint directory: no *.safetensors files.")
+    return HuggingFaceStorageReader(str(directory))
+
+
+def _check_names(directory: Path, stored: dict[str, tuple[int, ...]], local: dict[str, torch.Tensor],
+                 sources: dict[str, str], buffers: set[str]) -> None:
+    """Every rank raises the same error if the checkpoint does not match the whole model (pipeline ranks hold
+    different names, so they compare the union). Buffers a checkpoint lacks keep their initialized values
+    (Hugging Face does not save every persistent buffer, e.g. position ids)."""
+    wanted = {sources[name]: (tuple(tensor.shape), name in buffers) for name, tensor in local.items()}
+    everyone: list[Any] = [wanted]
+    if dist.is_available() and dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, wanted)
+    model = {name: shape for held in everyone for name, (shape, _) in held.items()}
+    optional = {name for held in everyone for name, (_, is_buffer) in held.items() if is_buffer}
+    missing = sorted(model.keys() - stored.keys() - optional)
+    unexpected = sorted(stored.keys() - model.keys())
+    mismatched = sorted(f"{name} {stored[name]} vs model {shape}" for name, shape in model.items()
+                        if name in stored and stored[name] != shape)
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"The Hugging Face checkpoint {directory} does not match the model: missing {missing},"
+            f" unexpected {unexpected}, shape mismatches {mismatched}. Is it a checkpoint of another model or"
+            " configuration? Nothing was loaded."
+        )

@@ -1,0 +1,106 @@
+"""Hugging Face checkpoints read straight into the sharded layout (``HybridStrategy(weights=...)``,
+``lightning_hybrid.checkpoint.hf_load``): fine-tuning from a saved directory under tp2, pp2 and dp2×tp2×pp2 equals
+single-device ``from_pretrained`` + fine-tuning, every layout starts from bit-identical weights, and a directory
+that does not match the model stops setup with one message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from lightning_hybrid.checkpoint.hf_load import load_pretrained
+from tests.helpers import ScriptError, assert_equivalent, run_script, run_sweep
+from tests.models import build_module
+
+#: Qwen2: a tied head (saved once), q/k/v biases; Phi-3: a fused q|k|v of unequal pieces, fused gate|up.
+MODELS = ("hf_qwen2", "hf_phi3")
+#: Layout → the harness's arguments and the data-parallel size of its reference.
+LAYOUTS = {"tp2": (["--tp", 2, "--devices", 2], 1), "pp2": (["--pp", 2, "--devices", 2], 1),
+           "dp2_tp2_pp2": (["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8], 2)}
+
+
+def _save_pretrained(model: str, folder: Path) -> Path:
+    """A "published" checkpoint: the family built with another seed than the runs use, saved by transformers."""
+    build_module(model, seed=7).model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {model: _save_pretrained(model, tmp_path_factory.mktemp(model)) for model in MODELS}
+
+
+@pytest.fixture(scope="module")
+def references(pretrained: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
+    """Single-process Lightning fine-tuning from ``from_pretrained`` weights, per data-parallel size."""
+    runs = {}
+    for dp_size in sorted({dp for _, dp in LAYOUTS.values()}):
+        out = tmp_path_factory.mktemp(f"reference_dp{dp_size}") / "reference.pt"
+        entries = [{"model": model, "module": {"pretrained": str(pretrained[model])}} for model in MODELS]
+        runs[dp_size] = run_sweep(["--reference", "--dp", dp_size, "--devices", 1, "--out", out], entries)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fine_tuning_from_a_hugging_face_directory_equals_single_device(
+    layout: str, pretrained: dict[str, Path], references: dict[int, list[dict]], tmp_path: Path
+) -> None:
+    arguments, dp_size = LAYOUTS[layout]
+    entries = [{"model": model, "weights": str(pretrained[model])} for model in MODELS]
+    results = run_sweep([*arguments, "--out", tmp_path / "run.pt"], entries)
+    for model, reference, result in zip(MODELS, references[dp_size], results):
+        saved = load_file(pretrained[model] / "model.safetensors")
+        for name, tensor in saved.items():  # every layout starts from exactly the saved weights
+            assert torch.equal(result["initial_params"][f"model.{name}"], tensor), (model, name)
+        assert_equivalent(reference, result, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+class _Holder(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+def test_loading_in_one_process_fills_tied_weights_and_leaves_unsaved_buffers(tmp_path: Path) -> None:
+    folder = _save_pretrained("hf_qwen2", tmp_path)
+    holder = _Holder(build_module("hf_qwen2", seed=1).model)
+    load_pretrained(holder, folder)
+    expected = build_module("hf_qwen2", seed=7).model.state_dict()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in holder.model.state_dict().items())
+    assert holder.model.lm_head.weight is holder.model.model.embed_tokens.weight
+
+
+def test_a_directory_of_another_model_or_shape_is_refused_listing_the_names(tmp_path: Path) -> None:
+    folder = _save_pretrained("hf_qwen2", tmp_path / "qwen2")
+    with pytest.raises(ValueError, match=r"does not match the model: missing \[.*qkv_proj.weight.*unexpected \[.*"
+                                         r"q_proj.weight.*Nothing was loaded"):
+        load_pretrained(_Holder(build_module("hf_phi3").model), folder)
+    wider = build_module("hf_qwen2", config={"intermediate_size": 96}).model
+    with pytest.raises(ValueError, match=r"shape mismatches \['model.layers.0.mlp.down_proj.weight \(32, 64\) vs"
+                                         r" model \(32, 96\)'"):
+        load_pretrained(_Holder(wider), folder)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
+        load_pretrained(_Holder(wider), tmp_path / "missing")
+    with pytest.raises(ValueError, match="holds none"):
+        load_pretrained(_Holder(nn.Linear(2, 2)), folder)
+
+
+@pytest.mark.slow
+def test_a_missing_shard_stops_every_rank_before_training(tmp_path: Path) -> None:
+    folder = tmp_path / "sharded"
+    build_module("hf_qwen2", seed=7).model.save_pretrained(folder, max_shard_size="20KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].unlink()
+    with pytest.raises(ScriptError) as failure:
+        run_script(["--model", "hf_qwen2", "--pp", 2, "--devices", 2, "--strategy-kwargs",
+                    f'{{"weights": "{folder}"}}', "--out", tmp_path / "run.pt"])
+    message = str(failure.value)
+    assert message.count("does not match the model: missing [") >= 2  # rank 0 and rank 1
+    assert "Nothing was loaded" in message and not (tmp_path / "run.pt").exists()  # nothing trained
