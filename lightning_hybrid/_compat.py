@@ -171,3 +171,17 @@ def optimizers_to_device(optimizers: Iterable[Any], device: torch.device) -> Non
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     _optimizers_to_device(optimizers, device)
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments an aten operator writes (in-place and ``out=`` arguments). Private: an operator's schema
+    (``OpOverload._schema``) is the only record of which arguments it mutates; meta-device initialization reads
+    it to learn which tensors an initializer writes without running it on real memory."""
+    written: list[torch.Tensor] = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        written.extend(v for v in values if isinstance(v, torch.Tensor))
+    return written

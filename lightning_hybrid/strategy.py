@@ -40,7 +40,7 @@ from lightning_hybrid.observe.monitor import ParallelMonitor
 from lightning_hybrid.options import Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
 from lightning_hybrid.parallel.blocks import capture_block_call
-from lightning_hybrid.parallel.parallelize import accept_user_parallelism, find_blocks, parallelize
+from lightning_hybrid.parallel.parallelize import accept_user_parallelism, find_blocks, parallelize, recording_construction
 from lightning_hybrid.parallel.precision import HybridPrecision, let_standalone_trainer_reach_precision, serving_plugin
 from lightning_hybrid.parallel.sharding import buffers_to_device
 from lightning_hybrid.parallel.tp_plan import PlanEntry
@@ -141,6 +141,8 @@ class HybridStrategy(ModelParallelStrategy):
     def checkpoint_plan(self) -> Optional[CheckpointPlan]:
         """Which blocks are activation-checkpointed (``None``: none)."""
         return self.options.checkpointing
+
+    model_sharded_context = staticmethod(recording_construction)  # configure_model's meta-built values recorded
 
     # ------------------------------------------------------------------------------------------ processes & mesh
     @override

@@ -1,26 +1,43 @@
 """Initialize a meta-device model after it is sharded: every rank fills only the shards it keeps, and the result
 equals initializing the whole model on one device with the same seed.
 
-How: deterministic per-module initialization. Each module that holds parameters or buffers is initialized by its
-own ``reset_parameters()`` (torch's convention, which Lightning's own meta-device support also relies on) under a
-random seed derived from the run's seed and the module's name in the LightningModule, on full-size temporary
-tensors; each rank then copies out the slices its DTensor shards hold and drops the temporaries. So:
+How: deterministic per-module initialization. Modules are visited children first (the order Hugging Face's
+``initialize_weights`` uses), each under a random seed derived from the run's seed and the module's name in the
+LightningModule, and initialized by the first of these that writes any of its tensors:
+
+1. the LightningModule's hook ``init_module_weights(module)``, if it defines one (see below);
+2. Hugging Face's ``PreTrainedModel._init_weights(module)`` of the nearest Hugging Face model around it: its
+   weights, norms, rotary ``inv_freq`` and ``position_ids`` buffers, and the writes it makes to children (GPT-2
+   rescales its blocks' ``c_proj`` from the attention module);
+3. the module's own ``reset_parameters()`` (torch's convention), for a module holding parameters or buffers.
+
+Initializers run on full-size temporary tensors; each rank then copies out the slices its DTensor shards hold and
+drops the temporaries. Which tensors an initializer writes is learnt first by running it on meta-device stand-ins
+under a dispatch mode that records every aten operator's written arguments — so an initializer may write
+anything in its module's subtree, and only what it writes is ever allocated in full. So:
 
 * the values do not depend on the layout, the rank, the pipeline stage or the order modules are visited in —
   dp, tp and pp runs, and a single device calling :func:`init_weights`, produce the same numbers;
-* no rank ever holds the whole model: beyond its own shards, a rank holds the full tensors of one module at a
-  time, and only for modules of its own pipeline stages;
+* no rank ever holds the whole model: beyond its own shards, a rank holds the full tensors one initializer
+  writes (a tensor written by several, such as GPT-2's ``c_proj`` weight, stays in full until its last writer),
+  and only for modules of its own pipeline stages;
 * nothing is communicated (each rank computes the same full tensor and keeps its part).
+
+Values recorded while the model was built on the meta device (``known``: buffers and constant parameters such
+as a norm's ``torch.ones``, see :mod:`lightning_hybrid.parallel.construction`) need no initializer. Any other
+tensor no initializer writes is named in an error before training, instead of training on uninitialized memory.
 
 Why not a seed checkpoint (initialize once on one host, save, load sharded)? It needs one host that can hold the
 whole model and an extra offline step; per-module seeds need neither. The price: a meta-device model's values
 are not the draws an eager ``__init__`` would have made after ``torch.manual_seed(seed)`` (same distributions,
-different draws, because eager construction draws from one stream in construction order). Models built eagerly
-in ``__init__`` are not re-initialized: they keep their own values.
+different draws). Models built eagerly in ``__init__`` are not re-initialized: they keep their own values.
 
-A module that holds parameters or buffers but has no ``reset_parameters()`` cannot be initialized from the meta
-device (its values, e.g. ``torch.ones`` of a norm scale, existed only in the constructor that ran on meta); the
-strategy stops with the modules' names instead of training on uninitialized memory.
+The hook, for modules none of the above initializes (or to override them)::
+
+    class MyModule(LightningModule):
+        def init_module_weights(self, module: nn.Module) -> None:
+            if isinstance(module, MyNorm):   # called for every module, children first, under the module's seed
+                nn.init.ones_(module.scale)  # write nothing to leave a module to Hugging Face / reset_parameters()
 
 Example::
 
@@ -32,12 +49,33 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import zlib
-from typing import Iterator, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_hybrid._compat import TorchDispatchMode, written_tensors
+
+#: The LightningModule method :func:`init_weights` calls for every module first (see the module docstring).
+HOOK = "init_module_weights"
+
+Slot = tuple[nn.Module, str]  # a module and the attribute name of one of its own parameters or buffers
+
+
+@dataclass
+class _Step:
+    """One initializer call: ``run()`` under ``seed`` writes ``writes`` (original tensors, each once)."""
+
+    run: Callable[[], Any]
+    seed: int
+    slots: list[tuple[Slot, Tensor]]
+    writes: list[Tensor]
 
 
 def module_seed(seed: int, module_name: str) -> int:
@@ -46,36 +84,177 @@ def module_seed(seed: int, module_name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(module_name.encode())) % 2**63
 
 
-def init_weights(root: nn.Module, seed: int) -> None:
-    """Initialize the parameters and buffers of every module under ``root`` that holds some, each by its own
-    ``reset_parameters()`` under :func:`module_seed`. Works on plain tensors and on sharded DTensors (FSDP2,
-    tensor parallel) alike; names are taken relative to ``root``.
+@torch.no_grad()
+def init_weights(root: nn.Module, seed: int, known: Collection[str] = ()) -> None:
+    """Initialize every parameter and buffer under ``root`` per module (see the module docstring), except those
+    named in ``known`` that no initializer writes. Works on plain tensors and on sharded DTensors (FSDP2, tensor
+    parallel) alike; names are taken relative to ``root``.
 
     Raises:
-        ValueError: if a module holding parameters or buffers has no ``reset_parameters()``.
+        ValueError: naming each tensor (and its module's class) that nothing initializes.
     """
-    holders = [(name, module) for name, module in root.named_modules() if _holds_tensors(module)]
-    uninitializable = sorted({type(m).__name__ for _, m in holders if not callable(getattr(m, "reset_parameters", None))})
-    if uninitializable:
+    steps = [step for name, module, owner in _post_order(root) if (step := _plan(root, name, module, owner, seed))]
+    written = {id(t) for step in steps for t in step.writes}
+    missing = [f"{_join(name, key)} ({type(module).__name__})" for name, module, _ in _post_order(root)
+               for key, t in _own_tensors(module) if id(t) not in written and _join(name, key) not in known]
+    if missing:
         raise ValueError(
-            f"The model was created on the meta device, but {', '.join(uninitializable)} hold(s) parameters or"
-            " buffers and define(s) no reset_parameters(), so their initial values cannot be recreated after"
-            " sharding. Give each of these classes a reset_parameters() that initializes its own parameters and"
-            " buffers (as torch.nn.Linear does), or build the model eagerly in the LightningModule's __init__."
+            f"The model was created on the meta device, but nothing recreates the initial values of {', '.join(missing)}:"
+            f" their modules define no reset_parameters(), no Hugging Face _init_weights writes them, and no"
+            f" LightningModule.{HOOK}(module) does. Give these classes a reset_parameters() that initializes their"
+            f" own parameters and buffers (as torch.nn.Linear does), define {HOOK} on the LightningModule, or build"
+            " the model eagerly in the LightningModule's __init__."
         )
-    for name, module in holders:
-        _init_module(module, module_seed(seed, name))
+    last_writer = {id(t): index for index, step in enumerate(steps) for t in step.writes}
+    full: dict[int, Tensor] = {}
+    for index, step in enumerate(steps):
+        _run_on_full_tensors(step, full)
+        for original in step.writes:
+            if last_writer[id(original)] == index:
+                _local(original).copy_(_keep_local_part(full.pop(id(original)), original))
 
 
-def materialize_meta_module(root: nn.Module, device: Union[str, torch.device], seed: int) -> bool:
-    """Allocate ``root``'s meta-device parameters and buffers (each rank's shards only) on ``device`` and
-    initialize them with :func:`init_weights`. Returns ``False`` (and does nothing) for a model without meta
-    tensors."""
+def materialize_meta_module(root: nn.Module, device: Union[str, torch.device], seed: int,
+                            recorded: Optional[Mapping[str, Callable[[], Tensor]]] = None) -> bool:
+    """Allocate ``root``'s meta-device parameters and buffers (each rank's shards only) on ``device``, give those
+    named in ``recorded`` (functions returning full values on the CPU, e.g. from
+    :func:`~lightning_hybrid.parallel.construction.recorded_values`) their values and initialize the others with
+    :func:`init_weights`. Returns ``False`` (and does nothing) for a model without meta tensors."""
     if not any(t.is_meta for t in _tensors(root)):
         return False
+    ties = _tie_groups(root)
     root.to_empty(device=device)
-    init_weights(root, seed)
+    for (first_module, first_key), *others in ties:  # to_empty gives each slot of a tied tensor its own copy
+        for module, key in others:
+            setattr(module, key, getattr(first_module, first_key))
+    recorded = recorded or {}
+    for name, tensor in [*root.named_parameters(), *root.named_buffers()]:
+        if name in recorded:
+            with torch.no_grad():
+                _local(tensor).copy_(_keep_local_part(recorded[name]().to(_local(tensor).device, tensor.dtype), tensor))
+    init_weights(root, seed, known=recorded.keys())
     return True
+
+
+def _tie_groups(root: nn.Module) -> list[list[Slot]]:
+    """The slots of each tensor held in more than one place (tied embeddings), first slot first."""
+    groups: dict[int, list[Slot]] = {}
+    for slot, tensor in _subtree_slots(root):
+        groups.setdefault(id(tensor), []).append(slot)
+    return [slots for slots in groups.values() if len(slots) > 1]
+
+
+def _post_order(root: nn.Module) -> Iterator[tuple[str, nn.Module, Optional[nn.Module]]]:
+    """``(name, module, nearest Hugging Face model around or at it)`` for every module, children first."""
+    pretrained = getattr(sys.modules.get("transformers"), "PreTrainedModel", ())  # only loaded if a model uses it
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module, owner: Optional[nn.Module]) -> Iterator[Any]:
+        seen.add(id(module))
+        owner = module if pretrained and isinstance(module, pretrained) else owner
+        for child_name, child in module.named_children():
+            if id(child) not in seen:
+                yield from visit(_join(name, child_name), child, owner)
+        yield name, module, owner
+
+    yield from visit("", root, None)
+
+
+def _initializers(root: nn.Module, module: nn.Module, owner: Optional[nn.Module]) -> Iterator[Callable[[], Any]]:
+    """The initializers to try for ``module``, in order (see the module docstring)."""
+    hook = getattr(root, HOOK, None)
+    if callable(hook):
+        yield lambda: hook(module)
+    if owner is not None:
+        yield lambda: owner._init_weights(module)  # Hugging Face's per-module initializer (their convention)
+    if _holds_tensors(module) and callable(getattr(module, "reset_parameters", None)):
+        yield module.reset_parameters
+
+
+def _plan(root: nn.Module, name: str, module: nn.Module, owner: Optional[nn.Module], seed: int) -> Optional[_Step]:
+    """The first initializer of ``module`` that writes any tensor, with what it writes (found on meta stand-ins)."""
+    slots = list(_subtree_slots(module))
+    if not slots:
+        return None
+    seed = module_seed(seed, name)
+    for run in _initializers(root, module, owner):
+        writes = _dry_run(run, seed, slots)
+        if writes:
+            return _Step(run, seed, slots, writes)
+    return None
+
+
+class _WriteRecorder(TorchDispatchMode):
+    """Records the storage of every tensor an aten operator writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[StorageWeakRef] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        self.storages.update(StorageWeakRef(t.untyped_storage()) for t in written_tensors(func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _dry_run(run: Callable[[], Any], seed: int, slots: list[tuple[Slot, Tensor]]) -> list[Tensor]:
+    """The original tensors ``run`` writes, learnt by running it on meta-device stand-ins."""
+    stand_ins: dict[int, Tensor] = {}
+    for _, original in slots:
+        stand_ins.setdefault(id(original), _stand_in(original, "meta"))
+    originals = {id(original): original for _, original in slots}
+    recorder = _WriteRecorder()
+    with _swapped(slots, stand_ins), _seeded(seed, []), recorder:
+        run()
+    return [originals[key] for key, stand_in in stand_ins.items()
+            if StorageWeakRef(stand_in.untyped_storage()) in recorder.storages]
+
+
+@torch.no_grad()
+def _run_on_full_tensors(step: _Step, full: dict[int, Tensor]) -> None:
+    """Run ``step`` with full-size temporaries in place of the tensors it writes (kept in ``full``, by original)."""
+    for original in step.writes:
+        full.setdefault(id(original), _stand_in(original, _local(original).device))
+    written = {id(t) for t in step.writes}
+    slots = [(slot, original) for slot, original in step.slots if id(original) in written]
+    devices = [d.index for d in {_local(t).device for t in step.writes} if d.type == "cuda"]
+    with _swapped(slots, full), _seeded(step.seed, devices):
+        step.run()
+
+
+def _stand_in(original: Tensor, device: Union[str, torch.device]) -> Tensor:
+    tensor = torch.empty(original.shape, dtype=original.dtype, device=device)
+    return nn.Parameter(tensor, original.requires_grad) if isinstance(original, nn.Parameter) else tensor
+
+
+@contextlib.contextmanager
+def _swapped(slots: list[tuple[Slot, Tensor]], replacements: dict[int, Tensor]) -> Iterator[None]:
+    """Put ``replacements[id(original)]`` in each slot (setattr replaces a registered parameter or buffer in
+    place: same name, same kind), and the originals back afterwards."""
+    try:
+        for (module, key), original in slots:
+            setattr(module, key, replacements[id(original)])
+        yield
+    finally:
+        for (module, key), original in slots:
+            setattr(module, key, original)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, cuda_devices: list[int]) -> Iterator[None]:
+    with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
+        torch.manual_seed(seed)
+        yield
+
+
+def _subtree_slots(module: nn.Module) -> Iterator[tuple[Slot, Tensor]]:
+    for owner in module.modules():
+        for key, tensor in _own_tensors(owner):
+            yield (owner, key), tensor
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _tensors(module: nn.Module) -> Iterator[Tensor]:
@@ -90,28 +269,7 @@ def _holds_tensors(module: nn.Module) -> bool:
 def _own_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """The module's own (not its children's) parameters and buffers, by attribute name."""
     yield from module.named_parameters(recurse=False)
-    yield from module.named_buffers(recurse=False)
-
-
-@torch.no_grad()
-def _init_module(module: nn.Module, seed: int) -> None:
-    """Run ``module.reset_parameters()`` on full-size stand-ins of its own tensors, then keep each rank's part."""
-    originals = dict(_own_tensors(module))
-    for key, original in originals.items():
-        full = torch.empty(original.shape, dtype=original.dtype, device=_local(original).device)
-        # setattr replaces a registered parameter or buffer in place (same name, same kind)
-        setattr(module, key, nn.Parameter(full, original.requires_grad) if isinstance(original, nn.Parameter) else full)
-    devices = [d.index for d in {_local(t).device for t in originals.values()} if d.type == "cuda"]
-    try:
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            module.reset_parameters()  # type: ignore[operator]
-        initialized = {key: getattr(module, key) for key in originals}
-    finally:
-        for key, original in originals.items():
-            setattr(module, key, original)
-    for key, original in originals.items():
-        _local(original).copy_(_keep_local_part(initialized[key], original))
+    yield from ((key, b) for key, b in module.named_buffers(recurse=False) if b is not None)
 
 
 def _local(tensor: Tensor) -> Tensor:

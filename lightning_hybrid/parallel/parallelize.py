@@ -41,6 +41,7 @@ from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims
 from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
 from lightning_hybrid.parallel.blocks import BlockList, capture_block_call, find_block_list
+from lightning_hybrid.parallel.construction import recorded_values, recording_construction  # noqa: F401 (strategy's)
 from lightning_hybrid.parallel.initialization import materialize_meta_module
 from lightning_hybrid.parallel.sharding import FSDPOptions, apply_fsdp, mixed_precision_policy
 from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
@@ -67,6 +68,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     rank calls it. ``run_step(microbatches=1)`` runs the user's step once on the first batch, or on its first
     ``microbatches``-th (tracing); ``block_call`` is the first block's captured call if the caller already has it."""
     result = Parallelized()
+    recorded = recorded_values(module)  # names and recipes of the values built on meta, before anything changes them
     owned = list(range(len(blocks)))
     compute_dtype = mixed_precision_policy(precision).param_dtype
     # 1. pipeline split
@@ -90,7 +92,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     # 5. FSDP2
     result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, dims, options, precision, result.pipeline)
     # 6. materialization
-    apply_materialization(module, torch.device("cpu") if options.offload else device)
+    apply_materialization(module, torch.device("cpu") if options.offload else device, recorded)
     # 7. pretrained weights, read into the shards in place (needs the final layout: each rank reads its slices)
     if options.weights is not None:
         load_pretrained(module, options.weights)
@@ -168,14 +170,16 @@ def install_stages(pipeline: Pipeline, blocks: BlockList, fsdp_mesh: DeviceMesh,
     pipeline.route_units()
 
 
-def apply_materialization(module: nn.Module, device: torch.device) -> None:
+def apply_materialization(module: nn.Module, device: torch.device,
+                          recorded: Optional[dict[str, Callable[[], torch.Tensor]]] = None) -> None:
     """Give a meta-device model its values, each rank only its shards (see
-    :mod:`lightning_hybrid.parallel.initialization`). The seed is rank 0's, so every rank draws the same values;
-    every rank calls it."""
+    :mod:`lightning_hybrid.parallel.initialization`): ``recorded`` ones from its construction
+    (:mod:`lightning_hybrid.parallel.construction`), the others per module. The seed is rank 0's, so every rank
+    draws the same values; every rank calls it."""
     seed = [torch.initial_seed()]
     if dist.is_initialized():
         dist.broadcast_object_list(seed, src=0)
-    if materialize_meta_module(module, device, seed[0]):
+    if materialize_meta_module(module, device, seed[0], recorded):
         rank_zero_info(f"HybridStrategy: initialized the meta-device model per module from seed {seed[0]}.")
 
 

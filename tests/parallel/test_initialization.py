@@ -55,12 +55,33 @@ def test_eager_models_are_left_alone() -> None:
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
-def test_a_module_without_reset_parameters_is_named_in_the_error() -> None:
+def test_a_tensor_nothing_initializes_is_named_in_the_error() -> None:
+    # Built on meta outside any recording: RMSNorm's torch.ones is lost, and RMSNorm has no reset_parameters().
     with torch.device("meta"):
         model = TinyLlama(LlamaConfig())
     model.to_empty(device="cpu")
-    with pytest.raises(ValueError, match=r"RMSNorm hold\(s\) parameters or buffers and define\(s\) no reset_parameters"):
+    with pytest.raises(ValueError, match=r"initial values of layers\.0\.attention_norm\.weight \(RMSNorm\), .*norm\.weight"
+                                         r" \(RMSNorm\): their modules define no reset_parameters"):
         init_weights(model, seed=0)
+
+
+def test_a_lightning_module_hook_initializes_what_nothing_else_does() -> None:
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.device("meta"):
+                self.model = TinyLlama(LlamaConfig())
+
+        def init_module_weights(self, module: nn.Module) -> None:
+            if type(module).__name__ == "RMSNorm":
+                nn.init.constant_(module.weight, 3.0)
+
+    root = Root()
+    assert materialize_meta_module(root, "cpu", seed=4)
+    torch.testing.assert_close(root.model.norm.weight, torch.full((32,), 3.0), rtol=0, atol=0)
+    # The hook writes nothing to the linears: their reset_parameters() runs, under their own seed.
+    torch.manual_seed(module_seed(4, "model.output"))
+    torch.testing.assert_close(root.model.output.weight, nn.Linear(32, 64, bias=False).weight, rtol=0, atol=0)
 
 
 @pytest.mark.slow
