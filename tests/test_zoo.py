@@ -15,6 +15,7 @@ from tests.helpers import assert_equivalent, cached_runs, run_sweep
 from tests.models import build_module
 
 RTOL = 1e-5
+ZOO_LAUNCH_TIMEOUT_S = 1200
 #: Layout → the harness's arguments for it and the data-parallel size its reference must reproduce.
 LAYOUTS: dict[str, tuple[list[Any], int]] = {
     "dp2": (["--dp", 2, "--devices", 2], 2),
@@ -64,7 +65,7 @@ def zoo_references(tmp_path_factory: pytest.TempPathFactory):
     def run(dp_size: str, folder: Path) -> dict[str, dict]:
         models = list(CASES)
         results = run_sweep(["--reference", "--dp", dp_size, "--devices", 1, "--out", folder / "reference.pt"],
-                            [_entry(model) for model in models])
+                            [_entry(model) for model in models], nprocs_timeout=ZOO_LAUNCH_TIMEOUT_S)
         return dict(zip(models, results))
 
     return cached_runs(run, tmp_path_factory, "zoo_reference")
@@ -76,7 +77,9 @@ def zoo_runs(tmp_path_factory: pytest.TempPathFactory):
 
     def run(layout: str, folder: Path) -> dict[str, dict]:
         models = _models_under(layout)
-        results = run_sweep([*LAYOUTS[layout][0], "--out", folder / "run.pt"], [_entry(model) for model in models])
+        # All families in one launch: up to 8 ranks on 2 cores training a dozen models takes minutes.
+        results = run_sweep([*LAYOUTS[layout][0], "--out", folder / "run.pt"], [_entry(model) for model in models],
+                            nprocs_timeout=ZOO_LAUNCH_TIMEOUT_S)
         return dict(zip(models, results))
 
     return cached_runs(run, tmp_path_factory, "zoo")

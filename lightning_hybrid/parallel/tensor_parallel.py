@@ -249,7 +249,11 @@ def _reference_copy(block: nn.Module, mesh: DeviceMesh) -> nn.Module:
     if any(p.is_meta for p in reference.parameters()):
         reference = reference.to_empty(device=_collective_device(mesh))
         torch.manual_seed(0)  # identical weights on every rank: the sharded copy is scattered from rank 0's
-        for module in reference.modules():
+        with torch.no_grad():  # finite numbers everywhere (to_empty leaves memory as it was: NaN, inf) ...
+            for tensor in [*reference.parameters(), *reference.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.normal_(0.0, 0.02)
+        for module in reference.modules():  # ... and each module's own scheme where it has one
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
     return reference
