@@ -523,7 +523,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
     module = (
         UserParallelModule(args.model, seed=args.seed)
         if args.user_parallel
-        else build_module(args.model, seed=args.seed, config=config, init=args.init, **args.module_kwargs)
+        else build_module(args.model, seed=args.seed, config=config, **{"init": args.init, **args.module_kwargs})
     )
     train, val = make_dataloaders(args)
     recorder = RecordCallback()
