@@ -3,6 +3,7 @@
 Usage::
 
     lightning-hybrid export CHECKPOINT_FOLDER OUTPUT [--safetensors]
+    lightning-hybrid export CHECKPOINT_FOLDER OUTPUT_DIR --hf --module package.module:LightningModuleClass
     python -m lightning_hybrid export CHECKPOINT_FOLDER OUTPUT      # the same without the installed script
     lightning-hybrid plan --params 7e9 --seq-len 4096 --gpu h100-sxm --nodes 4 --global-batch 256 [--json]
 """
@@ -27,27 +28,75 @@ if TYPE_CHECKING:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-hybrid", description="Tools for HybridStrategy runs.")
     commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser(
-        "export",
-        help="consolidate a sharded checkpoint into one file with the unmodified module's state dict",
-        description="Consolidate a sharded checkpoint folder (any layout) into one Lightning checkpoint file"
-        " (loadable with YourModule.load_from_checkpoint) or, with --safetensors, a .safetensors state dict.",
-    )
-    export.add_argument("checkpoint", help="sharded checkpoint folder written by HybridStrategy")
-    export.add_argument("output", help="file to write")
-    export.add_argument("--safetensors", action="store_true", help="write the state dict in safetensors format")
+    _add_export_command(commands)
     _add_plan_command(commands)
     args = parser.parse_args(argv)
     if args.command == "plan":
         _plan(args, parser)
         return
-    from lightning_hybrid.checkpoint.export import export_checkpoint
-
     try:
-        path = export_checkpoint(args.checkpoint, args.output, safetensors=args.safetensors)
+        path = _export(args)
     except (ValueError, ImportError) as error:
         parser.exit(2, f"lightning-hybrid export: error: {error}\n")
     print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------------------------ export
+def _add_export_command(commands: Any) -> None:
+    export = commands.add_parser(
+        "export",
+        help="consolidate a sharded checkpoint into one file with the unmodified module's state dict",
+        description="Consolidate a sharded checkpoint folder (any layout) into one Lightning checkpoint file"
+        " (loadable with YourModule.load_from_checkpoint), with --safetensors a .safetensors state dict, or with"
+        " --hf a Hugging Face model directory of the PreTrainedModel inside the module (from_pretrained loads it).",
+    )
+    export.add_argument("checkpoint", help="sharded checkpoint folder written by HybridStrategy")
+    export.add_argument("output", help="file to write (--hf: a new directory)")
+    export.add_argument("--safetensors", action="store_true", help="write the state dict in safetensors format")
+    hf = export.add_argument_group("Hugging Face directory (--hf)")
+    hf.add_argument("--hf", action="store_true", help="write sharded safetensors, their index and config.json")
+    hf.add_argument("--module", help="package.module:LightningModuleClass of the checkpoint, built on the meta"
+                    " device from its saved hyperparameters to find the PreTrainedModel (required with --hf)")
+    hf.add_argument("--module-kwargs", default="{}", help="JSON object of constructor arguments added to the saved"
+                    " hyperparameters")
+    hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, bytes or 500MB-style"
+                    " (default 5GB); about what the export holds in memory")
+    hf.add_argument("--config-from", help="Hugging Face directory whose config.json to copy instead of the model's")
+
+
+def _export(args: argparse.Namespace) -> Any:
+    if not args.hf:
+        hf_only = [flag for flag, value in (("--module", args.module), ("--config-from", args.config_from)) if value]
+        if hf_only:
+            raise ValueError(f"{' and '.join(hf_only)} only apply to --hf")
+        from lightning_hybrid.checkpoint.export import export_checkpoint
+
+        return export_checkpoint(args.checkpoint, args.output, safetensors=args.safetensors)
+    if args.safetensors or args.module is None:
+        raise ValueError("--hf needs --module package.module:LightningModuleClass (the checkpoint does not record"
+                         " its module's class) and writes safetensors already (no --safetensors)")
+    from lightning_hybrid.checkpoint.hf_export import export_hugging_face
+
+    kwargs = _json_object(args.module_kwargs)
+    _importable_from_here()
+    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+    return export_hugging_face(args.checkpoint, args.output, args.module, module_kwargs=kwargs, max_shard_size=size,
+                               config_from=args.config_from)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--module-kwargs is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--module-kwargs must be a JSON object of constructor arguments")
+    return value
+
+
+def _importable_from_here() -> None:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # import the user's package from where they run, as `python -m` does
 
 
 # ------------------------------------------------------------------------------------------------------ plan
@@ -145,14 +194,8 @@ def _model_from(args: argparse.Namespace) -> ModelShape:
     elif args.module is not None:
         _refuse_unused(args, "--module (read from the module)", "--vocab", "--ffn-hidden", "--gated-mlp",
                        "--tied-embeddings")
-        try:
-            kwargs = json.loads(args.module_kwargs)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--module-kwargs is not valid JSON: {error}") from None
-        if not isinstance(kwargs, dict):
-            raise ValueError("--module-kwargs must be a JSON object of constructor arguments")
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())  # import the user's package from where they run, as `python -m` does
+        kwargs = _json_object(args.module_kwargs)
+        _importable_from_here()
         shape = ModelShape.from_module(args.module, kwargs, seq_len=args.seq_len, heads=args.heads,
                                        kv_heads=args.kv_heads)
     else:

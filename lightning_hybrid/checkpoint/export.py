@@ -18,6 +18,7 @@ Example::
     export_checkpoint("checkpoints/epoch=3-step=4000.ckpt", "model.safetensors", safetensors=True)
 
 or from a shell: ``lightning-hybrid export checkpoints/epoch=3-step=4000.ckpt model.safetensors --safetensors``.
+A Hugging Face model directory (``--hf``, streamed shard by shard): ``checkpoint/hf_export.py``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from lightning_hybrid._compat import lightning_metadata_path, read_dcp_in_one_pr
 from lightning_hybrid.checkpoint.sharded import MODULE_STATE_KEY
 
 
-def load_module_state(checkpoint: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
-    """The full (unsharded) module state dict of a sharded checkpoint folder, on CPU."""
+def require_sharded_checkpoint(checkpoint: Union[str, os.PathLike]) -> Path:
+    """``checkpoint`` as a path, if it is a sharded checkpoint folder; else a ``ValueError`` saying what it needs."""
     folder = Path(checkpoint)
     if not (folder / ".metadata").is_file():
         raise ValueError(
@@ -42,6 +43,12 @@ def load_module_state(checkpoint: Union[str, os.PathLike]) -> dict[str, torch.Te
             " '.distcp' file per rank (written by save_distributed_checkpoint=True). A single-file checkpoint"
             " already holds the full state dict: load it with torch.load."
         )
+    return folder
+
+
+def load_module_state(checkpoint: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
+    """The full (unsharded) module state dict of a sharded checkpoint folder, on CPU."""
+    folder = require_sharded_checkpoint(checkpoint)
     return read_dcp_in_one_process(folder, {MODULE_STATE_KEY})[MODULE_STATE_KEY]
 
 

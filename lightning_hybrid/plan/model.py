@@ -101,7 +101,7 @@ class ModelShape:
         if missing:
             raise ValueError(f"ModelShape.from_module({target!r}) cannot read {' and '.join(missing)} from the"
                              " module's parameters: pass them.")
-        return cls.measure(_instantiate_on_meta(target, kwargs or {}), seq_len=seq_len, heads=heads,
+        return cls.measure(instantiate_on_meta(target, kwargs or {}), seq_len=seq_len, heads=heads,
                            kv_heads=kv_heads)
 
     @classmethod
@@ -132,7 +132,9 @@ class ModelShape:
             last_stage_parameters=outside_parameters - embedding_parameters)
 
 
-def _instantiate_on_meta(target: str, kwargs: Mapping[str, Any]) -> nn.Module:
+def instantiate_on_meta(target: str, kwargs: Mapping[str, Any]) -> nn.Module:
+    """``"package.module:ClassName"`` built from ``kwargs`` on the meta device, ``configure_model()`` included
+    (also the checkpoint export's way to know a module's structure); a failure is a ``ValueError`` naming it."""
     module_name, _, class_name = target.partition(":")
     if not module_name or not class_name:
         raise ValueError(f"Expected 'package.module:ClassName', got {target!r}.")
