@@ -6,7 +6,8 @@ strategy has sharded the model (tensor parallelism, pipeline stages, FSDP2), eve
 ``torch.distributed.checkpoint`` for exactly the boxes of each global tensor it holds, and DCP's Hugging Face
 storage reader reads those slices from the safetensors files (``safe_open(...).get_slice``): no rank reads a tensor
 it does not hold, none holds the whole model. Fused projections dealt to ranks in strided pieces are described
-piece by piece (:func:`lightning_hybrid.checkpoint.sharded.checkpointable`), as for the strategy's own checkpoints.
+piece by piece, and every tensor in blocks of rows of at most :data:`READ_BLOCK_BYTES`
+(:func:`lightning_hybrid.checkpoint.sharded.in_row_blocks`), so a rank holds its shards plus one such block.
 
 Names: the ``PreTrainedModel`` inside the LightningModule is found by type; its path (``model.`` for
 ``self.model = AutoModelForCausalLM...``) is stripped from the LightningModule's names. A weight Hugging Face saves
@@ -32,7 +33,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from lightning_hybrid.checkpoint.sharded import checkpointable
+from lightning_hybrid.checkpoint.sharded import in_row_blocks
+
+#: The most a rank reads at once (the Hugging Face reader materializes each box it is asked for before copying it).
+READ_BLOCK_BYTES = 16 * 2**20
 
 
 def load_pretrained(module: nn.Module, directory: Union[str, os.PathLike]) -> None:
@@ -57,8 +61,9 @@ def load_pretrained(module: nn.Module, directory: Union[str, os.PathLike]) -> No
         if not any(tensor is held for held in first.values()):
             target[sources[name]] = tensor
     for state in (first, second):
-        with torch.no_grad(), checkpointable(state):
-            dcp.load(state, storage_reader=_reader(directory))
+        blocks = {name: in_row_blocks(tensor, READ_BLOCK_BYTES) for name, tensor in state.items()}
+        with torch.no_grad():
+            dcp.load(blocks, storage_reader=_reader(directory))
 
 
 def _pretrained_model(module: nn.Module) -> tuple[str, dict[str, str]]:

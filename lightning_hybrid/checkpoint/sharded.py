@@ -164,6 +164,31 @@ def _piecewise(tensor: DTensor) -> DTensor:
     return dtensor_around(view, tensor)
 
 
+def in_row_blocks(tensor: torch.Tensor, max_bytes: int) -> torch.Tensor:
+    """``tensor`` (a DTensor or a plain tensor) described to DCP as blocks of rows of at most ``max_bytes`` each, so
+    a reader that materializes each requested box before copying it (the Hugging Face reader) never holds more
+    than one block; the blocks are views of the local tensor, which loading fills in place."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if local.dim() == 0 or local.numel() * local.element_size() <= max_bytes:
+        return tensor
+    if isinstance(tensor, DTensor):
+        boxes, strided = local_chunks(tensor), _tensor_parallel_stride(tensor)
+        parts = list(local.split(boxes[0].sizes[strided[1].dim], dim=strided[1].dim)) if strided else [local]
+    else:
+        boxes, parts = [ChunkStorageMetadata(offsets=torch.Size([0] * local.dim()), sizes=local.shape)], [local]
+    chunks, pieces = [], []
+    for box, part in zip(boxes, parts):
+        rows = max(1, max_bytes // max(1, part[0].numel() * part.element_size()))
+        for start in range(0, part.shape[0], rows):
+            piece = part.narrow(0, start, min(rows, part.shape[0] - start))
+            offsets = torch.Size([box.offsets[0] + start, *box.offsets[1:]])
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=piece.shape))
+            pieces.append(piece)
+    view = local.as_subclass(_Pieces)
+    view.chunks, view.pieces, view.global_size = chunks, pieces, tensor.shape
+    return dtensor_around(view, tensor) if isinstance(tensor, DTensor) else view
+
+
 def local_chunks(tensor: DTensor) -> list[ChunkStorageMetadata]:
     """The boxes of the global tensor that this rank's local tensor holds, in local order (one box unless the
     tensor-parallel placement is strided, then one per piece)."""

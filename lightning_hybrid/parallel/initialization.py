@@ -110,8 +110,8 @@ def init_weights(root: nn.Module, seed: int, known: Collection[str] = ()) -> Non
     for index, step in enumerate(steps):
         _run_on_full_tensors(step, full)
         for original in step.writes:
-            if last_writer[id(original)] == index:
-                _local(original).copy_(_keep_local_part(full.pop(id(original)), original))
+            if last_writer[id(original)] == index and (value := full.pop(id(original))) is not original:
+                _local(original).copy_(_keep_local_part(value, original))
 
 
 def materialize_meta_module(root: nn.Module, device: Union[str, torch.device], seed: int,
@@ -212,9 +212,11 @@ def _dry_run(run: Callable[[], Any], seed: int, slots: list[tuple[Slot, Tensor]]
 
 @torch.no_grad()
 def _run_on_full_tensors(step: _Step, full: dict[int, Tensor]) -> None:
-    """Run ``step`` with full-size temporaries in place of the tensors it writes (kept in ``full``, by original)."""
-    for original in step.writes:
-        full.setdefault(id(original), _stand_in(original, _local(original).device))
+    """Run ``step`` with full-size temporaries in place of the sharded tensors it writes (kept in ``full``, by
+    original; a tensor held whole is its own)."""
+    for original in step.writes:  # a tensor this rank holds whole is written in place: no temporary copy
+        whole = original if not isinstance(original, DTensor) else _stand_in(original, _local(original).device)
+        full.setdefault(id(original), whole)
     written = {id(t) for t in step.writes}
     slots = [(slot, original) for slot, original in step.slots if id(original) in written]
     devices = [d.index for d in {_local(t).device for t in step.writes} if d.type == "cuda"]

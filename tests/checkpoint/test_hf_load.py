@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from lightning_hybrid.checkpoint import hf_load
 from lightning_hybrid.checkpoint.hf_load import load_pretrained
 from tests.helpers import ScriptError, assert_equivalent, run_script, run_sweep
 from tests.models import build_module
@@ -69,7 +70,12 @@ class _Holder(nn.Module):
         self.model = model
 
 
-def test_loading_in_one_process_fills_tied_weights_and_leaves_unsaved_buffers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("block_bytes", [hf_load.READ_BLOCK_BYTES, 256])
+def test_loading_in_one_process_fills_tied_weights_and_leaves_unsaved_buffers(
+    block_bytes: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also read in blocks of 256 bytes (every matrix in many row blocks, each a separate read)."""
+    monkeypatch.setattr(hf_load, "READ_BLOCK_BYTES", block_bytes)
     folder = _save_pretrained("hf_qwen2", tmp_path)
     holder = _Holder(build_module("hf_qwen2", seed=1).model)
     load_pretrained(holder, folder)
@@ -106,3 +112,34 @@ def test_a_missing_shard_stops_every_rank_before_training(tmp_path: Path) -> Non
     message = str(failure.value)
     assert message.count("does not match the model: missing [") >= 2  # rank 0 and rank 1
     assert "Nothing was loaded" in message and not (tmp_path / "run.pt").exists()  # nothing trained
+
+
+def _load_tensor_parallel(rank: int, results: dict, folder: str) -> None:
+    """Phi-3 sharded tp2 (fused q|k|v kept whole per rank, gate|up strided), loaded in 512-byte row blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+    from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+
+    hf_load.READ_BLOCK_BYTES = 512
+    holder = _Holder(build_module("hf_phi3", seed=1).model)
+    path, blocks = find_block_list(holder)
+    call = capture_block_call(blocks[0], lambda: holder.model(torch.randint(0, 64, (2, 16))))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    plan = apply_tensor_parallel(holder, path, blocks, call, mesh, tp_plan={}, verify=True)
+    load_pretrained(holder, folder)
+    saved = load_file(Path(folder) / "model.safetensors")
+    state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in holder.model.state_dict().items()}
+    if rank == 0:
+        results.update(plan=plan, unequal=[name for name, t in saved.items() if not torch.equal(state[name], t)])
+
+
+@pytest.mark.slow
+def test_strided_and_whole_tensor_parallel_weights_load_in_row_blocks(tmp_path: Path) -> None:
+    from tests.helpers import on_two_ranks
+
+    folder = _save_pretrained("hf_phi3", tmp_path)
+    results = on_two_ranks(_load_tensor_parallel, str(folder))
+    assert results["plan"]["model.model.layers.*.mlp.gate_up_proj"] == "colwise (strided x2)"
+    assert results["unequal"] == []
