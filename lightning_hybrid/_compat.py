@@ -108,6 +108,40 @@ def keep_forward_actions(schedule: Any) -> None:
     )
 
 
+def resize_stage_buffers(stage: Any, chunk: int, inputs: list[tuple[int, ...]], outputs: list[tuple[int, ...]]) -> None:
+    """Give microbatch ``chunk`` of a built ``PipelineStage`` receive buffers of new shapes: for the activations it
+    receives (``inputs``; none on the first stage) and the gradients of what it sends (``outputs``; none on the
+    last). torch 2.13's stages fix one shape for every microbatch when their schedule first runs and have no public
+    way to change it; the buffers are per-microbatch attributes that torch itself swaps (``set_local_fwd_input``).
+    Dtypes stay what torch inferred. The stage's own metadata follows microbatch 0 (what it sends zeros by)."""
+    from dataclasses import replace
+
+    from torch.distributed.pipelining._utils import _DTensorMeta
+
+    def reshaped(meta: Any, shape: tuple[int, ...]) -> Any:
+        if isinstance(meta, _DTensorMeta):
+            raise NotImplementedError("batches of varying shapes with DTensor activations between pipeline stages")
+        return replace(meta, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+    for infos, shapes in ((stage.args_recv_info.get(chunk, ()), inputs), (stage.grad_recv_info.get(chunk, ()), outputs)):
+        for info, shape in zip([info for info in infos if not info.is_root_arg], shapes, strict=True):
+            if info.tensor_meta is None:  # an output without a gradient: nothing is received for it
+                continue
+            info.tensor_meta = reshaped(info.tensor_meta, shape)
+            info.buffer = torch.empty(shape, dtype=info.tensor_meta.dtype, device=info.buffer.device)
+    if chunk == 0:
+        meta = stage._stage_meta
+        for name, shapes in (("inputs", inputs), ("input_grads", inputs), ("outputs", outputs), ("output_grads", outputs)):
+            old = getattr(meta, name)
+            if old and shapes:
+                setattr(meta, name, tuple(m if m is None else reshaped(m, s) for m, s in zip(old, shapes, strict=True)))
+
+
+def stage_buffers_ready(stage: Any) -> bool:
+    """Whether a ``PipelineStage``'s schedule has run it (its receive buffers exist): torch keeps them private."""
+    return bool(stage.args_recv_info)
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def lightning_metadata_path(folder: Path) -> Path:
     """The file of a distributed Lightning checkpoint folder that holds everything but the tensors (``meta.pt``):

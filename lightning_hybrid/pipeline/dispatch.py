@@ -4,9 +4,10 @@ Every pipeline rank runs the user's own step for each of its stages and microbat
 which modules really compute:
 
 * the units (blocks, embedding, head, ... see :mod:`lightning_hybrid.pipeline.split`) of the running stage compute;
-* units of other stages are *stood in for*: zeros shaped like the output the unit gave for inputs of the same
-  shapes in the setup trace (or, for shapes the trace did not see, like the output of a meta-device copy) — no
-  parameters, no FLOPs — so the user's code around them (rotary tables, masks, position ids computed from the
+* units of other stages are *stood in for*: zeros shaped like the unit's output, derived from the shapes of the
+  inputs by how its outputs followed its inputs in the calls seen (:mod:`lightning_hybrid.pipeline.shapes`: a
+  block's output keeps its hidden-state input's batch and sequence lengths), else like the output of a meta-device
+  copy, which also teaches the relation — no parameters, no FLOPs — so the user's code around them (rotary tables, masks, position ids computed from the
   embedding's output) still runs and hands the blocks their extra arguments. Attributes read from a stand-in
   (``head.weight.dtype``, ``embeddings.config``) come from that copy, tensors as zero-memory tensors of the right
   shape and dtype on this device;
@@ -18,6 +19,7 @@ which modules really compute:
 Example::
 
     dispatcher = UnitDispatcher(split, make_shadows(lightning_module, split), trace.outputs, device, None)
+    dispatcher.boundary_shapes(lambda: lightning_module.training_step(microbatch, 0))  # {0: [(2, 10, 32)]}
     parent.head = RemoteUnit(dispatcher, index)            # a unit of another rank
     module.__class__ = staged_class(type(module))          # a unit of this rank consults the dispatcher
     dispatcher.active = ActiveStage(0, range(0, 2), is_first=True, is_last=False, received=())
@@ -34,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_hybrid.pipeline.split import StageSplit
-from lightning_hybrid.pipeline.trace import TensorSpec, call_signature, output_spec
+from lightning_hybrid.pipeline.shapes import TensorSpec, UnitShapes, describe_call, output_spec
 
 
 class StageOutput(BaseException):
@@ -54,6 +56,9 @@ class ActiveStage:
     is_first: bool
     is_last: bool
     received: tuple[Tensor, ...]
+    #: Set for a shape pass (:meth:`UnitDispatcher.boundary_shapes`): the last block of each stage → that stage,
+    #: and where the shapes of what the stages send are collected.
+    boundaries: Optional[tuple[dict[int, int], dict[int, list[tuple[int, ...]]]]] = None
 
 
 class RemoteUnit(nn.Module):
@@ -65,7 +70,7 @@ class RemoteUnit(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         dispatcher, index = self._dispatcher_ref
-        return dispatcher.call(index, None, args, kwargs, training=self.training)
+        return dispatcher.call(index, None, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -119,16 +124,15 @@ class RemoteView:
 class UnitDispatcher:
     """Decides, for each unit called during a stage's step, whether it computes, stands in, or ends the stage."""
 
-    def __init__(self, split: StageSplit, shadows: list[nn.Module], recorded: dict[str, dict[tuple, Any]],
+    def __init__(self, split: StageSplit, shadows: list[nn.Module], shapes: UnitShapes,
                  device: torch.device, compute_dtype: Optional[torch.dtype]) -> None:
         self.split = split
         self._shadows = shadows
-        self._recorded = recorded
+        self._shapes = shapes
         self._device = device
         self._compute_dtype = compute_dtype
         self.active: Optional[ActiveStage] = None
         self._previous_block_output: list[Tensor] = []
-        self._meta_outputs: dict[tuple, Any] = {}
         self._ghosts: dict[int, Tensor] = {}
 
     def name(self, index: int) -> str:
@@ -155,7 +159,7 @@ class UnitDispatcher:
         self._previous_block_output = []
 
     def call(
-        self, index: int, compute: Optional[Callable[..., Any]], args: tuple, kwargs: dict, training: bool = True
+        self, index: int, compute: Optional[Callable[..., Any]], args: tuple, kwargs: dict
     ) -> Any:
         unit = self.split.units[index]
         active = self.active
@@ -177,25 +181,40 @@ class UnitDispatcher:
                 " the step must run its blocks in order, each once."
             )
         else:
-            output = self._stand_in(index, args, kwargs, training)
+            output = self._stand_in(index, args, kwargs)
         if block is not None:
             self._previous_block_output = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+            if active.boundaries is not None and block in active.boundaries[0]:
+                stage = active.boundaries[0][block]
+                active.boundaries[1][stage] = [tuple(t.shape) for t in self._previous_block_output]
             if block == active.blocks.stop - 1 and not active.is_last:
                 raise StageOutput(output)
         return output
 
-    def _stand_in(self, index: int, args: tuple, kwargs: dict, training: bool) -> Any:
-        """Zeros shaped like the unit's output: as recorded by the setup trace for inputs of these shapes, else
-        computed on the unit's meta-device copy (no parameters, no FLOPs) and cached per unit, mode and input
-        signature (running the copy costs Python time per operation: 0.2 s per microbatch for two GPT blocks on a
-        CPU, measured)."""
-        key = call_signature((args, kwargs))
-        output = self._recorded.get(self.name(index), {}).get(key)
+    def boundary_shapes(self, run_step: Callable[[], Any]) -> dict[int, list[tuple[int, ...]]]:
+        """Stage → shapes of the tensors it sends on, for the microbatch ``run_step`` runs the user's step on: a
+        shape pass, where every unit stands in (no FLOPs) and the step ends after the last stage boundary."""
+        ends = {self.split.block_range(stage).stop - 1: stage for stage in range(self.split.num_stages - 1)}
+        shapes: dict[int, list[tuple[int, ...]]] = {}
+        self.active = ActiveStage(-1, range(0, max(ends) + 1), True, False, (), boundaries=(ends, shapes))
+        try:
+            run_step()
+        except StageOutput:
+            pass  # the last boundary: nothing after it is needed
+        finally:
+            self.end_stage()
+        return shapes
+
+    def _stand_in(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """Zeros shaped like the unit's output: derived from the input shapes by the unit's shape relation, else
+        computed on its meta-device copy (no parameters, no FLOPs), whose answer narrows the relation. Nothing is
+        kept per shape: running the copy costs Python time per operation (0.2 s per microbatch for two GPT blocks
+        on a CPU, measured), and the relation makes it rare (bounded per unit, whatever the number of shapes)."""
+        call = describe_call(args, kwargs)
+        output = self._shapes.predict(self.name(index), call)
         if output is None:
-            cache_key = (index, training, key)
-            if cache_key not in self._meta_outputs:
-                self._meta_outputs[cache_key] = output_spec(self._meta_output(index, args, kwargs))
-            output = self._meta_outputs[cache_key]
+            output = output_spec(self._meta_output(index, args, kwargs))
+            self._shapes.observe(self.name(index), call, output)
         return tree_map(lambda v: self._zeros(v) if isinstance(v, TensorSpec) else v, output)
 
     def _zeros(self, spec: TensorSpec) -> Tensor:
@@ -218,9 +237,10 @@ class UnitDispatcher:
             unit = self.split.units[index]
             raise RuntimeError(
                 f"'{unit.name}' computes on pipeline stage {unit.stage}; this rank stands in for it and needs the"
-                f" shape of its output for inputs of shapes {shapes}, which the setup trace did not see, and its"
-                f" meta-device copy could not compute it ({type(error).__name__}: {error}). Give every step the"
-                " batch shape of the first training batch (e.g. drop_last=True), or use pp=1."
+                f" shape of its output for inputs of shapes {shapes}, which the calls it saw do not derive (a call"
+                f" of another structure, or a size no input size gives), and its meta-device copy could not compute"
+                f" it ({type(error).__name__}: {error}). Give the unit the argument structure of the first batch's"
+                " call, or use pp=1."
             ) from error
 
     def _take_received(self, block: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

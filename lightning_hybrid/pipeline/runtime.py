@@ -4,9 +4,12 @@ Every pipeline rank runs the user's own ``training_step`` (or validation/test/pr
 stages and microbatches, with only its stages' units computing (:mod:`lightning_hybrid.pipeline.dispatch`). The
 batch reaches every stage as a keyword argument, which torch's schedules split into microbatches for every stage.
 
-Lightning semantics kept by :meth:`Pipeline.run_step`: each microbatch's loss is scaled by
-``1 / (microbatches × accumulate_grad_batches)`` in the schedule's loss function (schedules are built with
-``scale_grads=False``, which would otherwise divide earlier accumulated gradients again); gradients computed
+Lightning semantics kept by :meth:`Pipeline.run_step`: each microbatch's loss is weighted by its share of the
+step's loss terms and by ``1 / accumulate_grad_batches`` (:mod:`lightning_hybrid.pipeline.microbatches`: in the
+schedule's loss function relative to the first microbatch, the step's gradients corrected once all counts are
+known; schedules are built with ``scale_grads=False``, which would otherwise divide earlier accumulated gradients
+again); batches whose shapes change from step to step reuse the mode's one schedule, its receive buffers fitted
+to each step's shapes; gradients computed
 inside the step are set aside and added back when Lightning calls ``backward``, after its ``zero_grad``; logs and
 the step's output are combined over microbatches and replayed on every rank
 (:mod:`lightning_hybrid.pipeline.semantics`).
@@ -40,11 +43,13 @@ from lightning_hybrid.pipeline.dispatch import (
     make_shadows,
     staged_class,
 )
+from lightning_hybrid.pipeline.microbatches import StageBuffers, counting_loss_terms, samples, split_microbatches
 from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.pipeline.semantics import (
     check_batch,
     combine_logs,
     combine_outputs,
+    muted_logs,
     original_log,
     recording_logs,
     to_cpu,
@@ -124,9 +129,14 @@ class Pipeline:
         #: Parameters whose gradients this rank combines after each step (set by :meth:`install`).
         self.shared: list[SharedParameter] = []
         self.stage_modules: dict[int, _StageModule] = {}
-        self._schedules: dict[Any, Any] = {}
+        self._schedules: dict[bool, tuple[Any, StageBuffers]] = {}
         self._step_name = "training_step"
+        self._step_call: tuple[tuple, dict] = ((), {})
         self._loss_scale = 1.0
+        #: Loss terms of each microbatch the last stage ran (see :mod:`lightning_hybrid.pipeline.microbatches`), and
+        #: of the step's first: the loss function weighs each microbatch relative to it.
+        self._microbatch_terms: list[float] = []
+        self._first_terms: Optional[float] = None
         self._microbatch_outputs: list[Any] = []
         self._microbatch_logs: list[list[tuple[str, Any, dict]]] = []
         self._microbatch_metric_calls: list[list[MetricCall]] = []
@@ -220,7 +230,8 @@ class Pipeline:
         logs: list[tuple[str, Any, dict]] = []
         metric_calls: list[MetricCall] = []
         try:
-            with recording_logs(self.module, logs), recording_metric_calls(self.module, metric_calls):
+            with recording_logs(self.module, logs), recording_metric_calls(self.module, metric_calls), \
+                    counting_loss_terms() as terms:
                 output = getattr(self.module, self._step_name)(batch, *step_args, **step_kwargs)
         except StageOutput as done:
             # Contiguous: process groups send only dense tensors, and a block may hand on a view (T5's first block
@@ -229,6 +240,9 @@ class Pipeline:
         finally:
             self._dispatcher.end_stage()
         self._microbatch_logs.append(logs)
+        self._microbatch_terms.append(terms.count if terms.count is not None else float(samples(batch)))
+        if self._first_terms is None:
+            self._first_terms = self._microbatch_terms[-1]
         self._microbatch_metric_calls.append(metric_calls)
         self._microbatch_outputs.append(tree_map(detached, output))
         loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -245,13 +259,8 @@ class Pipeline:
     def run_step(self, step_name: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``step_name`` over the batch's microbatches on all stages; returns the step's (combined) output."""
         training = step_name == "training_step"
-        microbatches = self.schedule.microbatches
-        check_batch(batch, microbatches)
-        schedule = self._schedule_for(training, batch)
-        self._step_name = step_name
-        self._loss_scale = 1.0 / (microbatches * self.module.trainer.accumulate_grad_batches) if training else 1.0
-        self._microbatch_outputs, self._microbatch_logs, self._microbatch_metric_calls = [], [], []
-        target = torch.arange(microbatches, device=self._device)  # unused by the loss: one entry per microbatch
+        schedule = self._start_step(step_name, batch, args, kwargs)
+        target = torch.arange(self.schedule.microbatches, device=self._device)  # unused by the loss: one per microbatch
         parameters = [p for p in self.module.parameters() if p.requires_grad]
         kept = [p.grad for p in parameters]
         for parameter in parameters:
@@ -271,7 +280,10 @@ class Pipeline:
             self._step_gradients = [(p, p.grad) for p in parameters] if training else []
             for parameter, grad in zip(parameters, kept):
                 parameter.grad = grad
-        output, logs, metric_calls = self._broadcast_from_last_stage(step_name)
+        output, logs, metric_calls, correction = self._broadcast_from_last_stage(step_name)
+        for _, grad in self._step_gradients if correction != 1.0 else ():
+            if grad is not None:
+                grad.mul_(correction)  # each microbatch's share of the loss terms, now that all are counted
         if timed:
             self.last_timeline = self._recorder.timeline(self._pp_rank)
         replay_metric_calls(self.module, metric_calls, self._device)  # every rank's metrics as one device's
@@ -280,6 +292,28 @@ class Pipeline:
                 value = self.module.get_submodule(value.name)
             original_log(self.module)(name, value, **log_kwargs)
         return output
+
+    def _start_step(self, step_name: str, batch: Any, args: tuple, kwargs: dict) -> Any:
+        """The mode's schedule, its receive buffers fitted to this batch's microbatches, and the step's state reset."""
+        microbatches = self.schedule.microbatches
+        check_batch(batch, microbatches)
+        schedule, buffers = self._schedule_for(step_name == "training_step")
+        self._step_name, self._step_call = step_name, (args, kwargs)
+        buffers.fit(split_microbatches(batch, microbatches))
+        accumulation = self.module.trainer.accumulate_grad_batches if step_name == "training_step" else 1
+        self._loss_scale = 1.0 / (microbatches * accumulation)
+        self._microbatch_outputs, self._microbatch_logs, self._microbatch_metric_calls = [], [], []
+        self._microbatch_terms, self._first_terms = [], None
+        return schedule
+
+    def _shape_pass(self, microbatch: Any) -> dict[int, list[tuple[int, ...]]]:
+        """Shapes of what each stage sends for ``microbatch`` (see :class:`StageBuffers`): the step run with every
+        unit standing in, its logs and metrics ignored and the random state left as it was."""
+        args, kwargs = self._step_call
+        step = getattr(self.module, self._step_name)
+        devices = [] if self._device.type == "cpu" else [self._device]
+        with torch.no_grad(), torch.random.fork_rng(devices, device_type=self._device.type), muted_logs(self.module):
+            return self._dispatcher.boundary_shapes(lambda: step(microbatch, *args, **kwargs))
 
     def add_step_gradients(self) -> None:
         """Accumulate the gradients of the last pipelined training step (Lightning's ``backward``)."""
@@ -293,13 +327,15 @@ class Pipeline:
         self._step_gradients = []
 
     def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
-        return output * self._loss_scale
+        # Weighted relative to the step's first microbatch (the total is known only after the last): run_step
+        # corrects the gradients by first × microbatches / total. Equal counts weigh exactly 1.
+        return output * (self._loss_scale * self._microbatch_terms[-1] / self._first_terms)
 
-    def _schedule_for(self, training: bool, batch: Any) -> Any:
-        """One torch schedule (with its own stages) per mode and microbatch shape: a stage infers its
-        send/receive shapes once, and switching modes on one schedule would redo that and clear gradients."""
-        key = (training, tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0] if isinstance(t, Tensor)))
-        if key not in self._schedules:
+    def _schedule_for(self, training: bool) -> tuple[Any, StageBuffers]:
+        """One torch schedule (with its own stages) per mode, whatever the batch shapes: a stage infers its
+        send/receive shapes on its first step, switching modes on one schedule would redo that and clear gradients,
+        and :class:`StageBuffers` refits the buffers when a step's shapes change."""
+        if training not in self._schedules:
             stages = [
                 PipelineStage(self.stage_modules[s], s, self.schedule.num_stages, self._device, group=self._group)
                 for s in self.stage_ids
@@ -314,18 +350,23 @@ class Pipeline:
             )
             if not training and self.schedule.placement == "v":
                 keep_forward_actions(schedule)
-            self._schedules[key] = schedule
-        return self._schedules[key]
+            self._schedules[training] = (schedule, StageBuffers(stages, self._shape_pass))
+        return self._schedules[training]
 
-    def _broadcast_from_last_stage(self, step_name: str) -> tuple[Any, list, list[MetricCall]]:
-        """The last stage's combined output, log calls and metric calls, sent to every rank of this pipeline."""
+    def _broadcast_from_last_stage(self, step_name: str) -> tuple[Any, list, list[MetricCall], float]:
+        """The last stage's combined output, log calls and metric calls, sent to every rank of this pipeline, and
+        the factor that turns the gradients' weights relative to the first microbatch into shares of the total."""
         payload: list[Any] = [None]
         if dist.get_rank() == self._last_stage_rank:
             count = self.schedule.microbatches
             # A new schedule's first step also ran each stage once to infer shapes: keep the real microbatches.
             outputs, logs = self._microbatch_outputs[-count:], self._microbatch_logs[-count:]
+            terms = self._microbatch_terms[-count:]
             metric_calls = combine_metric_calls(self._microbatch_metric_calls[-count:])
-            payload = [(tree_map(to_cpu, combine_outputs(outputs, step_name)), combine_logs(logs), metric_calls)]
+            correction = self._first_terms * count / sum(terms) if sum(terms) > 0 else 1.0
+            payload = [(tree_map(to_cpu, combine_outputs(outputs, step_name, terms)), combine_logs(logs, terms),
+                        metric_calls, correction)]
         dist.broadcast_object_list(payload, src=self._last_stage_rank, group=self._group)
-        output, logs, metric_calls = payload[0]
-        return tree_map(lambda v: v.to(self._device) if isinstance(v, Tensor) else v, output), logs, metric_calls
+        output, logs, metric_calls, correction = payload[0]
+        output = tree_map(lambda v: v.to(self._device) if isinstance(v, Tensor) else v, output)
+        return output, logs, metric_calls, correction

@@ -2,16 +2,17 @@
 
 Each microbatch's loss is scaled in the schedule's loss function (see :mod:`lightning_hybrid.pipeline.runtime`);
 what Lightning sees of the step is put together here: the values the last stage's ``self.log`` calls produced are
-combined over microbatches (by their ``reduce_fx``) and replayed on every rank, so rank 0's logger and the
-callbacks see them; the step's output (scalars averaged over microbatches, batched tensors concatenated) is
-returned on every rank.
+combined over microbatches (by their ``reduce_fx``; means weighted by each microbatch's loss terms, see
+:mod:`lightning_hybrid.pipeline.microbatches`) and replayed on every rank, so rank 0's logger and the callbacks see
+them; the step's output (scalars averaged over microbatches with the same weights, batched tensors concatenated)
+is returned on every rank.
 
 Example::
 
     logs: list = []
     with recording_logs(module, logs):           # per microbatch
         output = module.training_step(microbatch, 0)
-    for name, value, kwargs in combine_logs(per_microbatch_logs):
+    for name, value, kwargs in combine_logs(per_microbatch_logs, weights=[37.0, 41.0]):
         original_log(module)(name, value, **kwargs)
 """
 
@@ -29,16 +30,16 @@ from lightning_hybrid.parallel.blocks import detached
 
 
 def check_batch(batch: Any, microbatches: int) -> None:
-    """Refuse a batch that does not split into ``microbatches`` equal parts along dimension 0."""
+    """Refuse a batch with fewer samples than ``microbatches`` (a smaller last batch splits into unequal parts)."""
     sizes = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0}
     if not sizes:
         raise ValueError("With pp > 1 the batch must contain tensors to split into microbatches along dimension 0.")
     size = min(sizes)
-    if size % microbatches:
+    if size < microbatches:
         raise ValueError(
-            f"A batch of {size} samples cannot be split into {microbatches} equal microbatches"
-            f" (HybridStrategy(microbatches={microbatches})). Use a batch size divisible by the microbatch count,"
-            " and drop_last=True in the DataLoader if the dataset does not divide into full batches."
+            f"A batch of {size} samples cannot be split into {microbatches} microbatches"
+            f" (HybridStrategy(microbatches={microbatches})). Use batches of at least that many samples, and"
+            " drop_last=True in the DataLoader if the last batch of the dataset is smaller."
         )
 
 
@@ -47,8 +48,13 @@ def to_cpu(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, Tensor) else value
 
 
-def combine_outputs(outputs: list[Any], step_name: str) -> Any:
-    """Scalars average over microbatches (each is a mean over equal microbatches); batched tensors concatenate."""
+def _weighted_mean(values: Tensor, weights: list[float]) -> Tensor:
+    share = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    return (values.double() * share.view(-1, *[1] * (values.dim() - 1))).sum(0).to(values.dtype)
+
+
+def combine_outputs(outputs: list[Any], step_name: str, weights: list[float]) -> Any:
+    """Scalars are means weighted by the microbatches' loss terms (``weights``); batched tensors concatenate."""
     if not outputs or outputs[0] is None:
         return None
     flat = [tree_flatten(o)[0] for o in outputs]
@@ -57,7 +63,7 @@ def combine_outputs(outputs: list[Any], step_name: str) -> Any:
     for values in zip(*flat):
         first = values[0]
         if isinstance(first, Tensor) and first.dim() == 0:
-            combined.append(torch.stack(values).mean())
+            combined.append(_weighted_mean(torch.stack(values), weights))
         elif isinstance(first, Tensor):
             combined.append(torch.cat(values))
         else:
@@ -68,12 +74,13 @@ def combine_outputs(outputs: list[Any], step_name: str) -> Any:
 _REDUCTIONS = {"mean": torch.mean, "sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
 
-def combine_logs(per_microbatch: list[list[tuple[str, Any, dict]]]) -> list[tuple[str, Any, dict]]:
-    """One ``self.log`` call per name whose value is the microbatch values reduced by the call's ``reduce_fx``."""
-    calls: dict[str, list[tuple[Any, dict]]] = {}
-    for logs in per_microbatch:
+def combine_logs(per_microbatch: list[list[tuple[str, Any, dict]]], weights: list[float]) -> list[tuple[str, Any, dict]]:
+    """One ``self.log`` call per name whose value is the microbatch values reduced by the call's ``reduce_fx``
+    ("mean": weighted by the microbatches' loss terms, ``weights``)."""
+    calls: dict[str, list[tuple[Any, dict, float]]] = {}
+    for logs, weight in zip(per_microbatch, weights, strict=True):
         for name, value, kwargs in logs:
-            calls.setdefault(name, []).append((value, kwargs))
+            calls.setdefault(name, []).append((value, kwargs, weight))
     combined = []
     for name, entries in calls.items():
         kwargs = dict(entries[-1][1])
@@ -81,8 +88,8 @@ def combine_logs(per_microbatch: list[list[tuple[str, Any, dict]]]) -> list[tupl
             combined.append((name, entries[-1][0], kwargs))
             continue
         reduce = _reduction(kwargs.get("reduce_fx", "mean"), name)
-        values = torch.stack([torch.as_tensor(to_cpu(v), dtype=torch.float64) for v, _ in entries])
-        value = reduce(values, 0)
+        values = torch.stack([torch.as_tensor(to_cpu(v), dtype=torch.float64) for v, _, _ in entries])
+        value = _weighted_mean(values, [w for _, _, w in entries]) if reduce is torch.mean else reduce(values, 0)
         first = entries[0][0]
         value = value.to(first.dtype) if isinstance(first, Tensor) else value.item()
         if "batch_size" in kwargs:

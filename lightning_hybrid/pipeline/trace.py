@@ -1,6 +1,7 @@
 """One traced step of the model: what runs before, between and after its blocks, what each block costs, which
-parameters are read where, and what every unit returns — the facts the stage split
-(:mod:`lightning_hybrid.pipeline.split`) and the stand-ins (:mod:`lightning_hybrid.pipeline.dispatch`) are built from.
+parameters are read where, and how every unit's output shapes follow its inputs (:mod:`.shapes`) — the facts the
+stage split (:mod:`lightning_hybrid.pipeline.split`) and the stand-ins (:mod:`lightning_hybrid.pipeline.dispatch`)
+are built from.
 
 The step runs once for real (gradients off) under forward hooks on the blocks and on every module outside them
 that holds parameters, a FLOP counter, and a ``TorchFunctionMode`` that notes each parameter a torch function
@@ -20,22 +21,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_hybrid._compat import tree_flatten, tree_leaves, tree_map
+from lightning_hybrid._compat import tree_leaves
 from lightning_hybrid.parallel.blocks import BlockList
+from lightning_hybrid.pipeline.shapes import UnitShapes, describe_call, output_spec
 
 BEFORE, TRUNK, AFTER = "before the blocks", "between blocks", "after the blocks"
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What a stand-in needs of a tensor the real module returned: its shape and dtype."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 @dataclass
@@ -51,8 +45,8 @@ class StepTrace:
     parameter_reads: dict[str, set[str]]
     #: Parameters held directly by a module that also contains the blocks (e.g. a ``pos_embed`` tensor).
     direct_parameters: list[str]
-    #: Unit (block or outer module) name → {signature of its inputs: its output, tensors as :class:`TensorSpec`}.
-    outputs: dict[str, dict[tuple, Any]]
+    #: How every unit's (block or outer module) output shapes follow its input shapes, from the calls traced.
+    outputs: UnitShapes
 
 
 def outer_modules(root: nn.Module, blocks: BlockList) -> tuple[dict[str, nn.Module], list[str]]:
@@ -125,7 +119,7 @@ class _StepWatch:
         self.block_flops = [0.0] * len(blocks)
         self.counter = FlopCounterMode(display=False)
         self.marks: dict[str, float] = {}
-        self.outputs: dict[str, dict[tuple, Any]] = {}
+        self.outputs = UnitShapes()
 
     def attach(self) -> list[Any]:
         handles = []
@@ -140,7 +134,7 @@ class _StepWatch:
 
     def _record_outputs(self, name: str, module: nn.Module) -> Any:
         def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            self.outputs.setdefault(name, {})[call_signature((args, kwargs))] = output_spec(output)
+            self.outputs.observe(name, describe_call(args, kwargs), output_spec(output))
 
         return module.register_forward_hook(record, with_kwargs=True)
 
@@ -187,30 +181,3 @@ def _check_block_calls(calls: list[int]) -> None:
             f" in the traced step these blocks ran a different number of times (block: calls): {wrong}. Point"
             " HybridStrategy(blocks=...) at a block list whose blocks each run once, or use pp=1."
         )
-
-
-_PLAIN_VALUES = (int, float, bool, str, type(None))
-
-
-def call_signature(value: Any) -> tuple:
-    """A hashable description of a call's inputs as far as output shapes can depend on them: tensor shapes and
-    dtypes (floating ones as one kind: mixed precision changes them, not the shapes that follow), plain values,
-    the nesting, and any other object by its class alone. An object's contents cannot key the call: a key/value
-    cache handed to every block (Hugging Face decoders pass one even in training) fills up while the step runs, so
-    the same call would describe differently before and after it; the shapes a block returns follow from its
-    tensors and plain values."""
-    leaves, spec = tree_flatten(value)
-    described = []
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            described.append((tuple(leaf.shape), "floating" if leaf.is_floating_point() else leaf.dtype))
-        elif isinstance(leaf, _PLAIN_VALUES):
-            described.append((type(leaf), leaf))
-        else:
-            described.append((type(leaf), None))
-    return (str(spec), tuple(described))
-
-
-def output_spec(output: Any) -> Any:
-    """``output`` with every tensor replaced by its :class:`TensorSpec`."""
-    return tree_map(lambda v: TensorSpec(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else v, output)

@@ -99,19 +99,22 @@ def test_logged_values_combine_over_microbatches_by_reduce_fx() -> None:
         [("loss", torch.tensor(4.0), {"sync_dist": True}), ("tokens", 12.0, {"reduce_fx": "sum"}),
          ("peak", torch.tensor(3.0), {"reduce_fx": torch.max}), ("acc", torch.tensor(1.0), {"batch_size": 4})],
     ]
-    combined = {name: (value, kwargs) for name, value, kwargs in combine_logs(microbatches)}
+    combined = {name: (value, kwargs) for name, value, kwargs in combine_logs(microbatches, [1.0, 1.0])}
     assert combined["loss"] == (torch.tensor(3.0), {"sync_dist": True})
+    # Means weigh each microbatch by its loss terms: 30 and 10 tokens give (2·30 + 4·10) / 40.
+    weighted = {name: value for name, value, _ in combine_logs(microbatches, [30.0, 10.0])}
+    assert weighted["loss"] == torch.tensor(2.5) and weighted["tokens"] == 22.0
     assert combined["tokens"] == (22.0, {"reduce_fx": "sum"})
     assert combined["peak"][0] == torch.tensor(3.0)
     assert combined["acc"] == (torch.tensor(0.75), {"batch_size": 8})
     with pytest.raises(ValueError, match=r"reduce_fx=.*knows 'mean', 'sum', 'max' and 'min'"):
-        combine_logs([[("x", torch.tensor(1.0), {"reduce_fx": torch.std})]])
+        combine_logs([[("x", torch.tensor(1.0), {"reduce_fx": torch.std})]], [1.0])
 
 
-def test_batch_must_split_into_equal_microbatches() -> None:
-    check_batch((torch.zeros(8, 3), torch.zeros(8)), 4)
-    with pytest.raises(ValueError, match=r"A batch of 6 samples cannot be split into 4 equal microbatches"):
-        check_batch((torch.zeros(6, 3), torch.zeros(6)), 4)
+def test_batch_must_hold_a_sample_per_microbatch() -> None:
+    check_batch((torch.zeros(6, 3), torch.zeros(6)), 4)  # a smaller last batch: microbatches of 2, 2, 1, 1
+    with pytest.raises(ValueError, match=r"A batch of 3 samples cannot be split into 4 microbatches"):
+        check_batch((torch.zeros(3, 3), torch.zeros(3)), 4)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
 from lightning_hybrid.pipeline.dispatch import ActiveStage, UnitDispatcher, make_shadows
 from lightning_hybrid.pipeline.semantics import muted_logs
 from lightning_hybrid.pipeline.split import balanced_split, plan_split
-from lightning_hybrid.pipeline.trace import AFTER, BEFORE, TRUNK, TensorSpec, call_signature, trace_step
+from lightning_hybrid.pipeline.shapes import TensorSpec, describe_call
+from lightning_hybrid.pipeline.trace import AFTER, BEFORE, TRUNK, trace_step
 from tests.models import build_module
 
 
@@ -50,10 +51,13 @@ def test_trace_places_embeddings_first_and_head_last_and_counts_block_flops():
         "model.tok_embeddings.weight": {BEFORE}, "model.norm.weight": {AFTER}, "model.output.weight": {AFTER}
     }
     # What the stand-ins answer with: each unit's output for the traced inputs' shapes.
-    block_call = call_signature(((torch.empty(2, 16, 32), torch.empty(16, 4, 2)), {}))
-    assert trace.outputs["model.layers.0"][block_call] == TensorSpec((2, 16, 32), torch.float32)
-    assert trace.outputs["model.output"][call_signature(((torch.empty(2, 16, 32),), {}))] == TensorSpec(
+    block_call = describe_call((torch.empty(2, 16, 32), torch.empty(16, 4, 2)), {})
+    assert trace.outputs.predict("model.layers.0", block_call) == TensorSpec((2, 16, 32), torch.float32)
+    assert trace.outputs.predict("model.output", describe_call((torch.empty(2, 16, 32),), {})) == TensorSpec(
         (2, 16, 64), torch.float32)
+    # Other lengths and batch sizes: a block's output follows its hidden-state input.
+    shorter = describe_call((torch.empty(3, 9, 32), torch.empty(9, 4, 2)), {})
+    assert trace.outputs.predict("model.layers.0", shorter) == TensorSpec((3, 9, 32), torch.float32)
     # One block's forward FLOPs, counted by hand (2 FLOPs per multiply-add): q, k, v, o projections and the SwiGLU
     # MLP. Attention itself adds nothing here: torch's FLOP counter has no formula for the CPU flash-attention
     # kernel that scaled_dot_product_attention picks on this machine.
@@ -157,7 +161,7 @@ def test_stand_ins_answer_from_the_trace_when_a_block_is_handed_an_object():
     assert type(kwargs["cache"]).__name__ == "DynamicCache"
     index = [unit.name for unit in split.units].index(blocks.name(0))
     dispatcher.active = ActiveStage(1, split.block_range(1), is_first=False, is_last=True, received=())
-    stand_in = dispatcher.call(index, None, args, kwargs, training=True)  # stage 1 running: block 0 stands in
+    stand_in = dispatcher.call(index, None, args, kwargs)  # stage 1 running: block 0 stands in
     assert stand_in.shape == (2, 16, 32) and not stand_in.any()
     with pytest.raises(RuntimeError, match=r"meta-device copy could not compute it .*BF16"):
-        dispatcher.call(index, None, (args[0][:1],), {**kwargs, "attention_mask": None}, training=True)
+        dispatcher.call(index, None, (args[0][:1],), {**kwargs, "attention_mask": None})

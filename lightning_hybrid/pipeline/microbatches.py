@@ -1,0 +1,128 @@
+"""Microbatches of batches that differ from step to step: their shapes, and each one's share of the step's loss.
+
+**Shapes.** A torch ``PipelineStage`` fixes the shapes of what it receives when its schedule first runs. With
+dynamic padding every batch has its own sequence length, and a last batch may be smaller (torch's schedules then
+split it into microbatches of unequal sizes, as ``torch.tensor_split`` does). Before a step whose microbatch
+shapes differ from the previous step's, :class:`StageBuffers` runs a *shape pass* per distinct microbatch shape
+(the user's step with every unit standing in: no FLOPs, no communication, see
+:meth:`~lightning_hybrid.pipeline.dispatch.UnitDispatcher.boundary_shapes`) and gives each stage's receive
+buffers the shapes of that step. One schedule per mode, whatever the number of shapes: nothing grows with them.
+
+**Loss shares.** The step's loss must be the full batch's, also when its microbatches hold different numbers of
+loss terms (padding tokens ignored, a smaller last microbatch). Each microbatch's loss is weighted by its number
+of terms: when the step computes its loss with ``cross_entropy`` or ``nll_loss`` and ``reduction="mean"`` (what a
+token-mean language-model loss with ``ignore_index=-100`` labels is), the count of targets it averaged over (their
+class weights' sum where ``weight`` is given) — otherwise, the microbatch's number of samples. A mean over equal
+parts is the mean of the parts; a token mean over padded parts is the weighted mean of their means.
+
+Example::
+
+    with counting_loss_terms() as terms:
+        loss = module.training_step(microbatch, 0)
+    terms.count                                     # 37.0: the non-ignored targets of its cross_entropy
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from lightning_hybrid._compat import resize_stage_buffers, stage_buffers_ready, tree_flatten, tree_map
+
+_MEAN_LOSSES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
+
+
+def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
+    """The batch's microbatches as torch's schedules split it: every tensor along dimension 0 (``tensor_split``:
+    sizes differ by at most one sample), anything else repeated."""
+    return [tree_map(lambda v: v.tensor_split(microbatches)[index] if isinstance(v, Tensor) and v.dim() > 0 else v,
+                     batch) for index in range(microbatches)]
+
+
+def samples(batch: Any) -> int:
+    """The number of samples of a (micro)batch: the smallest first dimension of its tensors."""
+    return min(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0)
+
+
+def _signature(batch: Any) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0] if isinstance(t, Tensor))
+
+
+class LossTerms(TorchFunctionMode):
+    """Counts the terms a ``reduction="mean"`` cross-entropy / NLL loss averages over; ``count`` stays ``None``
+    when there is no such call, or when several disagree (which one is the step's loss cannot be told)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: list[float] = []
+
+    @property
+    def count(self) -> Optional[float]:
+        return self.counts[0] if self.counts and len(set(self.counts)) == 1 else None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _MEAN_LOSSES:
+            bound = _MEAN_LOSSES[func].bind(*args, **kwargs)
+            bound.apply_defaults()
+            terms = _mean_terms(bound.arguments)
+            if terms is not None:
+                self.counts.append(terms)
+        return func(*args, **kwargs)
+
+
+def _mean_terms(arguments: dict[str, Any]) -> Optional[float]:
+    """What ``reduction="mean"`` divides by (torch's rule), or ``None`` for another reduction."""
+    if arguments["reduction"] != "mean" or arguments["size_average"] is not None or arguments["reduce"] is not None:
+        return None
+    source, target, weight = arguments["input"], arguments["target"], arguments["weight"]
+    if target.is_floating_point():  # class probabilities: the mean is over the samples
+        return float(source.numel() // source.shape[1]) if source.dim() > 1 else 1.0
+    kept = target != arguments["ignore_index"]
+    if weight is None:
+        return float(kept.sum())
+    return float(weight[target[kept]].sum())
+
+
+@contextlib.contextmanager
+def counting_loss_terms() -> Iterator[LossTerms]:
+    """Count the loss terms of the code run inside (see :class:`LossTerms`)."""
+    with LossTerms() as terms:
+        yield terms
+
+
+class StageBuffers:
+    """Fits this rank's stages' receive buffers to each step's microbatch shapes (see the module docstring)."""
+
+    def __init__(self, stages: list[Any], shape_pass: Callable[[Any], dict[int, list[tuple[int, ...]]]]) -> None:
+        self._stages = stages
+        self._shape_pass = shape_pass
+        self._fitted: Optional[tuple] = None
+
+    def fit(self, microbatches: list[Any]) -> None:
+        """Make the buffers of every microbatch fit ``microbatches`` (before the schedule runs them)."""
+        signature = tuple(_signature(m) for m in microbatches)
+        if signature == self._fitted:
+            return
+        if not stage_buffers_ready(self._stages[0]):
+            # torch infers the shapes on the schedule's first step from its first microbatch, for all of them.
+            if len(set(signature)) > 1:
+                raise ValueError(
+                    "With pp > 1 the first batch of a fit or evaluation must split into equal microbatches (torch"
+                    f" infers the pipeline's shapes from it); its microbatches have shapes {list(signature)}."
+                )
+        else:
+            sends: dict[tuple, dict[int, list[tuple[int, ...]]]] = {}
+            for index, (microbatch, shapes) in enumerate(zip(microbatches, signature)):
+                if shapes not in sends:
+                    sends[shapes] = self._shape_pass(microbatch)
+                for stage in self._stages:
+                    received = sends[shapes].get(stage.stage_index - 1, [])
+                    resize_stage_buffers(stage, index, received, sends[shapes].get(stage.stage_index, []))
+        self._fitted = signature
