@@ -124,7 +124,10 @@ def resize_stage_buffers(stage: Any, chunk: int, inputs: list[tuple[int, ...]], 
         return replace(meta, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
     for infos, shapes in ((stage.args_recv_info.get(chunk, ()), inputs), (stage.grad_recv_info.get(chunk, ()), outputs)):
-        for info, shape in zip([info for info in infos if not info.is_root_arg], shapes, strict=True):
+        received = [info for info in infos if not info.is_root_arg]
+        if not received:  # nothing received: the first stage's inputs, or gradients in a forward-only schedule
+            continue
+        for info, shape in zip(received, shapes, strict=True):
             if info.tensor_meta is None:  # an output without a gradient: nothing is received for it
                 continue
             info.tensor_meta = reshaped(info.tensor_meta, shape)
