@@ -169,10 +169,11 @@ def in_row_blocks(tensor: torch.Tensor, max_bytes: int) -> torch.Tensor:
     a reader that materializes each requested box before copying it (the Hugging Face reader) never holds more
     than one block; the blocks are views of the local tensor, which loading fills in place."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    if local.dim() == 0 or local.numel() * local.element_size() <= max_bytes:
-        return tensor
+    strided = _tensor_parallel_stride(tensor) if isinstance(tensor, DTensor) else None
+    if local.dim() == 0 or (local.numel() * local.element_size() <= max_bytes and strided is None):
+        return tensor  # one box, read at once (a strided tensor is never one box: described piece by piece)
     if isinstance(tensor, DTensor):
-        boxes, strided = local_chunks(tensor), _tensor_parallel_stride(tensor)
+        boxes = local_chunks(tensor)
         parts = list(local.split(boxes[0].sizes[strided[1].dim], dim=strided[1].dim)) if strided else [local]
     else:
         boxes, parts = [ChunkStorageMetadata(offsets=torch.Size([0] * local.dim()), sizes=local.shape)], [local]
