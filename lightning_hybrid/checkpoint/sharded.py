@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -155,13 +156,7 @@ class _Pieces(torch.Tensor):
 
 
 def _piecewise(tensor: DTensor) -> DTensor:
-    _, stride = _tensor_parallel_stride(tensor)  # type: ignore[misc]
-    local = tensor.to_local()
-    view = local.as_subclass(_Pieces)
-    view.chunks = local_chunks(tensor)
-    view.pieces = list(local.detach().split(view.chunks[0].sizes[stride.dim], dim=stride.dim))
-    view.global_size = tensor.shape
-    return dtensor_around(view, tensor)
+    return in_row_blocks(tensor, max_bytes=sys.maxsize)  # one block per piece
 
 
 def in_row_blocks(tensor: torch.Tensor, max_bytes: int) -> torch.Tensor:
