@@ -3,7 +3,7 @@
 Usage::
 
     lightning-hybrid export CHECKPOINT_FOLDER OUTPUT [--safetensors]
-    lightning-hybrid export CHECKPOINT_FOLDER OUTPUT_DIR --hf --module package.module:LightningModuleClass
+    lightning-hybrid export CHECKPOINT_FOLDER OUTPUT_DIR --hf
     python -m lightning_hybrid export CHECKPOINT_FOLDER OUTPUT      # the same without the installed script
     lightning-hybrid plan --params 7e9 --seq-len 4096 --gpu h100-sxm --nodes 4 --global-batch 256 [--json]
 """
@@ -56,7 +56,8 @@ def _add_export_command(commands: Any) -> None:
     hf = export.add_argument_group("Hugging Face directory (--hf)")
     hf.add_argument("--hf", action="store_true", help="write sharded safetensors, their index and config.json")
     hf.add_argument("--module", help="package.module:LightningModuleClass of the checkpoint, built on the meta"
-                    " device from its saved hyperparameters to find the PreTrainedModel (required with --hf)")
+                    " device from its saved hyperparameters to find the PreTrainedModel (default: the class the"
+                    " checkpoint recorded)")
     hf.add_argument("--module-kwargs", default="{}", help="JSON object of constructor arguments added to the saved"
                     " hyperparameters")
     hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, bytes or 500MB-style"
@@ -72,9 +73,8 @@ def _export(args: argparse.Namespace) -> Any:
         from lightning_hybrid.checkpoint.export import export_checkpoint
 
         return export_checkpoint(args.checkpoint, args.output, safetensors=args.safetensors)
-    if args.safetensors or args.module is None:
-        raise ValueError("--hf needs --module package.module:LightningModuleClass (the checkpoint does not record"
-                         " its module's class) and writes safetensors already (no --safetensors)")
+    if args.safetensors:
+        raise ValueError("--hf writes safetensors already: drop --safetensors")
     from lightning_hybrid.checkpoint.hf_export import export_hugging_face
 
     kwargs = _json_object(args.module_kwargs)

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_hybrid import _compat, model_parallel
 from lightning_hybrid.checkpoint import lightning_io
-from lightning_hybrid.checkpoint.resume import SamplerEpochOnResume
+from lightning_hybrid.checkpoint.resume import CheckpointRecords
 from lightning_hybrid.first_step import run_first_step
 from lightning_hybrid.mesh import ParallelDims, lightning_view
 from lightning_hybrid.metrics import sync_over
@@ -192,8 +192,8 @@ class HybridStrategy(ModelParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not any(isinstance(callback, SamplerEpochOnResume) for callback in trainer.callbacks):
-            trainer.callbacks.append(SamplerEpochOnResume())
+        if not any(isinstance(callback, CheckpointRecords) for callback in trainer.callbacks):
+            trainer.callbacks.append(CheckpointRecords())
         self._add_monitor(trainer)
         read_mesh = model_parallel.stop_watching(self._module_mesh)
         if self._parallelized is self.model:  # a later trainer.test()/predict() reuses the module fit left

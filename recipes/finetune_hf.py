@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_global_zero:
         from lightning_hybrid.checkpoint.hf_export import export_hugging_face
 
-        exported = export_hugging_face(checkpoint, args.out / "hf", FineTune)
+        exported = export_hugging_face(checkpoint, args.out / "hf")  # the class the checkpoint recorded
         before, after = evaluate(pretrained, val), evaluate(exported, val)
         print(f"pretrained:  val loss {before[0]:.3f}, answer accuracy {before[1]:.1%}")
         print(f"fine-tuned:  val loss {after[0]:.3f}, answer accuracy {after[1]:.1%}  (from_pretrained({exported}))")

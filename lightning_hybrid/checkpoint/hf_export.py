@@ -4,15 +4,16 @@ The LightningModule wraps an unmodified ``transformers.PreTrainedModel`` (as ``s
 the directory holds that model's weights under its own names, as ``save_pretrained`` would write them, so
 ``AutoModelForCausalLM.from_pretrained(directory)`` (or the model's own class) loads them bit for bit::
 
-    export_hugging_face("checkpoints/epoch=3-step=4000.ckpt", "hf_model", module="my_project.lm:MyLM")
+    export_hugging_face("checkpoints/epoch=3-step=4000.ckpt", "hf_model")
 
-or ``lightning-hybrid export checkpoints/epoch=3-step=4000.ckpt hf_model --hf --module my_project.lm:MyLM``.
+or ``lightning-hybrid export checkpoints/epoch=3-step=4000.ckpt hf_model --hf``.
 
 * **Which model, which names.** The checkpoint stores the LightningModule's state dict (``model.lm_head.weight``);
   the Hugging Face names are those under the outermost ``PreTrainedModel`` inside it, found by type, not by
-  attribute name. The checkpoint does not record the module's class, so the caller names it; it is built on the
-  meta device (no memory) from the hyperparameters the checkpoint saved (``module_kwargs`` add to or override
-  them), ``configure_model()`` included. A built module (any device) may be passed instead.
+  attribute name. The module is built on the meta device (no memory) from the class ``HybridStrategy`` recorded
+  in the checkpoint (``lightning_hybrid.checkpoint.resume``) or the one ``module`` names, with the hyperparameters
+  the checkpoint saved (``module_kwargs`` add to or override them), ``configure_model()`` included. A built module
+  (any device) may be passed instead.
 * **config.json** is the found model's ``config`` (with ``architectures`` and ``dtype`` set as ``save_pretrained``
   sets them; ``generation_config.json`` too for generative models), or a copy of ``config_from``'s.
 * **Tied weights** are written once, under the name ``from_pretrained`` loads and ties the others to (the source
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_hybrid._compat import lightning_metadata_path
 from lightning_hybrid.checkpoint.export import require_sharded_checkpoint
+from lightning_hybrid.checkpoint.resume import MODULE_CLASS_KEY
 from lightning_hybrid.checkpoint.sharded import MODULE_STATE_KEY, partial_checkpoint_path
 from lightning_hybrid.plan.model import instantiate_on_meta
 
@@ -58,7 +60,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 def export_hugging_face(
     checkpoint: Union[str, os.PathLike],
     output_dir: Union[str, os.PathLike],
-    module: Union[str, type, nn.Module],
+    module: Optional[Union[str, type, nn.Module]] = None,
     *,
     module_kwargs: Optional[Mapping[str, Any]] = None,
     max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
@@ -68,7 +70,7 @@ def export_hugging_face(
     module docstring) and return its path.
 
     ``module``: the LightningModule's class, as ``"package.module:ClassName"`` or the class itself, or a built
-    instance. ``max_shard_size``: bytes, or ``"500MB"``-style. ``config_from``: a Hugging Face directory (or its
+    instance; by default the class the checkpoint recorded. ``max_shard_size``: bytes, or ``"500MB"``-style. ``config_from``: a Hugging Face directory (or its
     ``config.json``) whose config to copy instead of the model's own.
     """
     folder = require_sharded_checkpoint(checkpoint)
@@ -112,14 +114,20 @@ def find_pretrained_model(module: nn.Module) -> tuple[str, nn.Module]:
     return (f"{name}." if name else ""), model
 
 
-def _built_module(module: Union[str, type, nn.Module], folder: Path,
+def _built_module(module: Optional[Union[str, type, nn.Module]], folder: Path,
                   module_kwargs: Optional[Mapping[str, Any]]) -> nn.Module:
     if isinstance(module, nn.Module):
         return module
-    if isinstance(module, type):
-        module = f"{module.__module__}:{module.__qualname__}"
     # Lightning saves the constructor arguments (save_hyperparameters) in meta.pt; the tensors are not read here.
     saved = torch.load(lightning_metadata_path(folder), map_location="cpu", weights_only=False)
+    if isinstance(module, type):
+        module = f"{module.__module__}:{module.__qualname__}"
+    elif module is None:
+        module = saved.get(MODULE_CLASS_KEY)
+    if module is None:
+        raise ValueError(f"The checkpoint {folder} does not record its LightningModule's class (written by an older"
+                         " version or by a class defined in a notebook): name it, --module package.module:Class"
+                         " (module= in Python).")
     return instantiate_on_meta(module, {**saved.get("hyper_parameters", {}), **(module_kwargs or {})})
 
 

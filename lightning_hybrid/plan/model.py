@@ -11,7 +11,9 @@ Example::
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
@@ -133,15 +135,10 @@ class ModelShape:
 
 
 def instantiate_on_meta(target: str, kwargs: Mapping[str, Any]) -> nn.Module:
-    """``"package.module:ClassName"`` built from ``kwargs`` on the meta device, ``configure_model()`` included
-    (also the checkpoint export's way to know a module's structure); a failure is a ``ValueError`` naming it."""
-    module_name, _, class_name = target.partition(":")
-    if not module_name or not class_name:
-        raise ValueError(f"Expected 'package.module:ClassName', got {target!r}.")
-    try:
-        module_class = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"Cannot import {target!r}: {error}") from error
+    """``"package.module:ClassName"`` (or ``"path/to/script.py:ClassName"``) built from ``kwargs`` on the meta
+    device, ``configure_model()`` included (also the checkpoint export's way to know a module's structure); a
+    failure is a ``ValueError`` naming it."""
+    module_class = import_class(target)
     try:
         with torch.device("meta"):  # no memory and no initialization: any size can be measured
             module = module_class(**kwargs)
@@ -150,6 +147,26 @@ def instantiate_on_meta(target: str, kwargs: Mapping[str, Any]) -> nn.Module:
     except Exception as error:  # the user's constructor: report it as bad input, with its message
         raise ValueError(f"Building {target}(**{dict(kwargs)!r}) on the meta device failed: {error!r}") from error
     return module
+
+
+def import_class(target: str) -> type:
+    """The class ``"package.module:ClassName"`` names, or ``"path/to/script.py:ClassName"`` (the script imported
+    under its own name: its ``if __name__ == "__main__"`` part does not run); a failure is a ``ValueError``."""
+    module_name, _, class_name = target.rpartition(":")
+    if not module_name or not class_name:
+        raise ValueError(f"Expected 'package.module:ClassName', got {target!r}.")
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if spec is None or spec.loader is None or not Path(module_name).is_file():
+                raise ImportError(f"no script {module_name}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        return getattr(module, class_name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"Cannot import {target!r}: {error}") from error
 
 
 def _linears(block: nn.Module) -> list[nn.Linear]:

@@ -21,6 +21,8 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_hybrid.checkpoint.export import load_module_state
 from lightning_hybrid.checkpoint.hf_export import export_hugging_face
+from lightning_hybrid.checkpoint.resume import module_class_path
+from lightning_hybrid.plan.model import import_class
 from tests.helpers import cached_runs, run_script
 from tests.models import LMLightningModule, build_module
 
@@ -78,9 +80,8 @@ def tensor_parallel_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Call
 def test_tensor_parallel_checkpoint_exports_a_directory_from_pretrained_loads_bit_for_bit(
     model: str, tensor_parallel_checkpoint, tmp_path: Path
 ) -> None:
-    checkpoint = tensor_parallel_checkpoint(model)
-    done = _export_command(checkpoint, tmp_path / "hf", "--hf", "--module", MODULE,
-                           "--max-shard-size", str(SMALL_SHARDS))
+    checkpoint = tensor_parallel_checkpoint(model)  # which records its module's class: no --module needed
+    done = _export_command(checkpoint, tmp_path / "hf", "--hf", "--max-shard-size", str(SMALL_SHARDS))
     assert done.returncode == 0, done.stderr
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = sorted(path.name for path in (tmp_path / "hf").glob("*.safetensors"))
@@ -127,14 +128,30 @@ def test_a_module_without_a_hugging_face_model_and_other_bad_input_are_refused(t
     assert done.returncode == 2
     assert "LMLightningModule holds no transformers.PreTrainedModel, so there is no Hugging Face model" in done.stderr
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
-    done = _export_command(tmp_path / "ckpt", tmp_path / "hf", "--hf")
-    assert done.returncode == 2 and "--hf needs --module package.module:LightningModuleClass" in done.stderr
+    done = _export_command(tmp_path / "ckpt", tmp_path / "hf", "--hf")  # written without the module's class
+    assert done.returncode == 2 and "does not record its LightningModule's class" in done.stderr
+    assert "--module package.module:Class" in done.stderr
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match=r"already exists and is not an empty directory"):
         export_hugging_face(tmp_path / "ckpt", tmp_path / "full", MODULE)
     with pytest.raises(ValueError, match=r"is not a sharded HybridStrategy checkpoint"):
         export_hugging_face(tmp_path / "full", tmp_path / "hf", MODULE)
+
+
+def test_the_module_class_is_recorded_importably_also_for_a_class_defined_in_the_script_run(tmp_path: Path) -> None:
+    assert module_class_path(LMLightningModule) == MODULE
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nclass Net(torch.nn.Module):\n    pass\nif __name__ == '__main__':\n"
+                      "    from lightning_hybrid.checkpoint.resume import module_class_path\n"
+                      "    print(module_class_path(Net))\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.stdout.strip() == f"{script.resolve()}:Net", done.stderr
+    assert import_class(done.stdout.strip()).__name__ == "Net"  # imported without running its main part
+    with pytest.raises(ValueError, match="Cannot import .*missing.py:Net.*no script"):
+        import_class(str(tmp_path / "missing.py:Net"))
+    assert module_class_path(type("Local", (), {"__qualname__": "f.<locals>.Local"})) is None
 
 
 #: Run in a fresh interpreter: for each shard size, the export's peak resident memory above what the process held
@@ -144,6 +161,8 @@ _MEASURE = """
 import ctypes, gc, json, sys
 from pathlib import Path
 from lightning_hybrid.checkpoint.hf_export import export_hugging_face
+from lightning_hybrid.checkpoint.resume import module_class_path
+from lightning_hybrid.plan.model import import_class
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 growths = []
