@@ -49,6 +49,7 @@ from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.plan.auto_layout import choose_for_run
 from lightning_hybrid.plan.hardware import Cluster
 from lightning_hybrid.plan.layout import Estimate
+from lightning_hybrid.steps import RootStepRouter, free_stale_gradients
 
 
 class HybridStrategy(ModelParallelStrategy):
@@ -131,6 +132,7 @@ class HybridStrategy(ModelParallelStrategy):
         self.layout_estimate: Optional[Estimate] = None
         # The module this strategy parallelized: a later trainer.test()/predict() of it reuses it as fit left it.
         self._parallelized: Optional[torch.nn.Module] = None
+        self._root_router = RootStepRouter()
 
     @property
     def pp_schedule(self) -> Optional[PipelineSchedule]:
@@ -260,9 +262,11 @@ class HybridStrategy(ModelParallelStrategy):
         buffers_to_device(self.model, self.root_device)  # FSDP2 keeps offloaded shards in CPU memory
 
     # -------------------------------------------------------------------------------------------- steps
-    # FSDP2 hooks the root's __call__; Lightning calls training_step directly, so route steps through __call__.
+    # FSDP2 hooks the root's __call__; Lightning calls training_step directly (see lightning_hybrid.steps).
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.lightning_module is not None
+        free_stale_gradients(self.lightning_module.trainer, self.lightning_module)
         with self.precision_plugin.train_step_context():
             return self._through_call("training_step", *args, **kwargs)
 
@@ -287,7 +291,7 @@ class HybridStrategy(ModelParallelStrategy):
         if self.pipeline is not None:
             return self.pipeline.run_step(method, *args, **kwargs)
         if isinstance(module, FSDPModule):
-            return _compat.call_through_module(self, module, method, *args, **kwargs)
+            return self._root_router.run(self, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
 
     @override

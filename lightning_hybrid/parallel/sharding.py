@@ -116,3 +116,4 @@ def buffers_to_device(module: nn.Module, device: torch.device) -> None:
     for submodule in module.modules():
         for key, buffer in list(submodule.named_buffers(recurse=False)):
             setattr(submodule, key, buffer.to(device))
+
