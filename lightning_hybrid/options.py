@@ -9,7 +9,7 @@ Example::
 
     options = HybridOptions(tp=2, pp=2, pp_schedule="interleaved_1f1b", activation_checkpointing="every")
     options.pipeline_schedule          # PipelineSchedule(name='interleaved_1f1b', pp=2, virtual_stages=2, ...)
-    options.zero, options.checkpointing   # 3, CheckpointPlan(every=1, selective=False)
+    options.zero, options.checkpointing   # 2 (the default under pp), CheckpointPlan(every=1, selective=False)
     chosen = HybridOptions(tp="auto", pp="auto").with_degrees(dp=2, tp=1, pp=2, dp_replicate=1)
 """
 
@@ -55,8 +55,9 @@ class HybridOptions:
             :mod:`lightning_hybrid.plan.auto_layout`.
         dp_replicate: Replicas of the sharded model (HSDP): parameters are sharded within a replica and gradients
             all-reduced across replicas.
-        zero: 3 (default) shards parameters between forward and backward too; 2 keeps them gathered for the step
-            (see :mod:`lightning_hybrid.parallel.sharding`). Zero-bubble pipeline schedules need 2 and default to it.
+        zero: 3 shards parameters between forward and backward too; 2 keeps them gathered for the step (see
+            :mod:`lightning_hybrid.parallel.sharding`). Default: 3 without a pipeline, 2 with one (ZeRO-3 would
+            gather each block 2 × microbatches times per step instead of once); zero-bubble schedules need 2.
         tp_plan: ``{module name pattern: "colwise" | "rowwise" | "replicate" | ParallelStyle}``, names from the
             LightningModule (``fnmatch`` patterns, e.g. ``"model.blocks.*.attn.qkv"``). Overrides or completes
             the automatic plan; entries outside the blocks are applied as given.
@@ -80,6 +81,10 @@ class HybridOptions:
         weights: A Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``) loaded into the
             LightningModule's ``PreTrainedModel`` right after sharding, each rank reading only the slices it holds
             (:mod:`lightning_hybrid.checkpoint.hf_load`); the model may be built on the meta device.
+        reduce_dtype: The dtype FSDP2 reduces gradients in over the data-parallel ranks (reduce-scatter, and the
+            all-reduce across ``dp_replicate`` replicas): ``"bf16"`` halves that traffic, each rank's gradient
+            rounded to bf16 before the sum; ``None``/``"fp32"`` (default) reduce in fp32 (under ``bf16-mixed``
+            too) or in the parameters' dtype.
     """
 
     dp: Degree = AUTO
@@ -99,8 +104,11 @@ class HybridOptions:
     save_distributed_checkpoint: bool = True
     cluster: Optional[Cluster] = None
     weights: Optional[Union[str, os.PathLike]] = None
+    reduce_dtype: Optional[str] = None
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
+    #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
+    zero_given: Optional[int] = field(init=False, default=None, repr=False)
     #: Which blocks are activation-checkpointed (``None``: none).
     checkpointing: Optional[CheckpointPlan] = field(init=False, default=None)
 
@@ -108,12 +116,14 @@ class HybridOptions:
         check_degrees(self.dp, self.tp, self.pp, self.dp_replicate, auto=("dp", "tp", "pp"))
         self._set("tp_plan", dict(self.tp_plan or {}))
         self._set("pipeline_schedule", self._checked_pipeline())
+        self._set("zero_given", self.zero)
         self._set("zero", check_zero_level(_zero_level(self.zero, self.pipeline_schedule)))
         self._set("checkpointing", CheckpointPlan.resolve(self.activation_checkpointing))
         _check_checkpointing_with_schedule(self.checkpointing, self.pipeline_schedule)
         self._check_auto_layout()
         if not isinstance(self.offload, bool):
             raise ValueError(f"HybridStrategy(offload={self.offload!r}) is invalid: pass True (CPU offload) or False.")
+        self._set("reduce_dtype", _checked_reduce_dtype(self.reduce_dtype))
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
             raise ValueError(f"HybridStrategy(weights={self.weights!r}) must be the path of a Hugging Face checkpoint"
                              " directory.")
@@ -140,7 +150,7 @@ class HybridOptions:
     def with_degrees(self, dp: int, tp: int, pp: int, dp_replicate: int) -> "HybridOptions":
         """These options with a chosen layout's degrees (the schedule resolved for its pp); ``cluster``, which
         served the choice, is dropped."""
-        return replace(self, dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, cluster=None)
+        return replace(self, dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=self.zero_given, cluster=None)
 
     def _checked_pipeline(self) -> Optional[PipelineSchedule]:
         if self.pp == AUTO:
@@ -228,9 +238,29 @@ def _check_pipeline_may_be_chosen(pp_split: Optional[Sequence[int]], save_distri
                          + " (pp='auto' may choose a pipeline.)")
 
 
+def _checked_reduce_dtype(value: object) -> Optional[str]:
+    names = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")  # torch.bfloat16 is accepted too
+    if name not in names:
+        raise ValueError(f"HybridStrategy(reduce_dtype={value!r}) is not a gradient reduction dtype: pass 'bf16'"
+                         " (half the gradient traffic) or 'fp32' (the default).")
+    return names[name]
+
+
+def default_zero_level(pipelined: bool) -> int:
+    """The ZeRO level when none is given. Under pp each step runs every microbatch's forward and backward through
+    the stage: ZeRO-3 reshards a block after each forward and gathers it again for the next forward and for each
+    backward (2 × microbatches all-gathers per block and step), ZeRO-2 gathers it once and keeps it to the step's
+    last backward. Measured (``benchmarks/zero_under_pp.py``, BENCHMARKS.md): 4.6 × the all-gather bytes and
+    1.2 × the step time for ZeRO-3 at dp2 × pp2 with 4 microbatches; the planner's cost model agrees."""
+    return 2 if pipelined else 3
+
+
 def _zero_level(zero: Optional[int], schedule: Optional[PipelineSchedule]) -> object:
     if schedule is None or not schedule.splits_weight_gradients:
-        return 3 if zero is None else zero
+        return default_zero_level(schedule is not None) if zero is None else zero
     if zero == 3:
         # torch computes a zero-bubble weight gradient against the parameters the module holds at that time; under
         # ZeRO-3 those are the resharded ones, not the gathered ones the forward used, and gradients come out wrong.

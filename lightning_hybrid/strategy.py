@@ -107,6 +107,7 @@ class HybridStrategy(ModelParallelStrategy):
         monitor: Union[bool, ParallelMonitor] = True,
         cluster: Optional[Cluster] = None,
         weights: Optional[Union[str, PathLike]] = None,
+        reduce_dtype: Optional[str] = None,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -116,7 +117,8 @@ class HybridStrategy(ModelParallelStrategy):
             dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=zero, tp_plan=tp_plan or {}, blocks=blocks,
             pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages, pp_split=pp_split,
             activation_checkpointing=activation_checkpointing, offload=offload, verify_tp_plan=verify_tp_plan,
-            save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster, weights=weights)
+            save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster, weights=weights,
+            reduce_dtype=reduce_dtype)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor

@@ -139,7 +139,8 @@ def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, 
     """FSDP2 over the data mesh (HSDP with replicas), block by block then the root, or per pipeline stage; builds
     the pipeline's stage modules. Returns whether FSDP2 was applied."""
     fsdp_mesh = mesh[DATA_DIMS] if dims.dp_replicate > 1 else mesh[DATA_SHARD]
-    fsdp_options = FSDPOptions(zero=int(options.zero), mixed_precision=mixed_precision_policy(precision),
+    fsdp_options = FSDPOptions(zero=int(options.zero),
+                               mixed_precision=mixed_precision_policy(precision, options.reduce_dtype),
                                offload=options.offload)
     # With one data-parallel rank FSDP2 would shard nothing yet make every parameter a DTensor and run its hooks
     # per block (measured: +15 % step time at tp=2, +20 % at pp=2, BENCHMARKS.md); it stays for what only it

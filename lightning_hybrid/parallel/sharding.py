@@ -13,6 +13,9 @@ ZeRO       what is sharded                                           FSDP2 setti
            from forward to backward)                                 all-gather per step, more memory
 =========  =======================================================  ==========================================
 
+Under pipeline parallelism ZeRO-2 is the default (``options.default_zero_level``): a stage runs every
+microbatch's forward and backward within one step, and ZeRO-3 would gather each block again for each of them.
+
 ZeRO-1 (only optimizer state sharded, full gradients all-reduced) is not offered: FSDP2 always reduce-scatters
 gradients, which moves the same bytes as an all-reduce's reduce phase and holds less memory, so ZeRO-2 is never
 worse than ZeRO-1 here.
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,15 +45,23 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_hybrid._compat import StridedShard
 
 
-def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    """FSDP2 policy for a Lightning precision flag.
+#: ``HybridOptions.reduce_dtype`` (checked and canonical) → the dtype gradients are reduced in.
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def mixed_precision_policy(precision: str, reduce_dtype: Optional[str] = None) -> MixedPrecisionPolicy:
+    """FSDP2 policy for a Lightning precision flag and a gradient reduction dtype.
 
     ``bf16-mixed`` gathers parameters and computes in bf16 but reduces gradients in fp32 into fp32 sharded
     parameters (the optimizer's master weights). Other flags keep the parameters' own dtype throughout.
+    ``reduce_dtype="bf16"`` reduce-scatters (and, with replicas, all-reduces) gradients in bf16 instead: half the
+    gradient traffic, each rank's gradient rounded to bf16 before the sum; the sharded result is stored in the
+    parameters' dtype again.
     """
+    reduce = REDUCE_DTYPES[reduce_dtype] if reduce_dtype is not None else None
     if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce or torch.float32)
+    return MixedPrecisionPolicy(reduce_dtype=reduce)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hybrid.options import AUTO, Degree, HybridOptions
+from lightning_hybrid.options import AUTO, Degree, HybridOptions, default_zero_level
 from lightning_hybrid.pipeline.runtime import NEEDS_AUTOMATIC_OPTIMIZATION
 from lightning_hybrid.plan.cost import estimate
 from lightning_hybrid.plan.hardware import GIB, Cluster
@@ -87,7 +87,8 @@ def candidate_layouts(options: HybridOptions, world: int, accumulation: int = 1)
             pipeline = dict(pp_schedule=options.pp_schedule, microbatches=options.microbatches,
                             virtual_stages=options.virtual_stages) if pp > 1 else dict(
                                 microbatches=accumulation if accumulation > 1 else None)
-            layouts.append(Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, zero=int(options.zero),
+            zero = options.zero_given if options.zero_given is not None else default_zero_level(pp > 1)
+            layouts.append(Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, zero=int(zero),
                                   activation_checkpointing=options.planned_checkpointing, **pipeline))
     return layouts
 

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from lightning_hybrid import HybridStrategy
+from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.pipeline.schedules import SCHEDULES, PipelineSchedule
 from lightning_hybrid.pipeline.semantics import check_batch, combine_logs
 from tests.conftest import CHECKPOINTED_LAYERS, ReferenceFn
@@ -85,9 +86,15 @@ def test_pipeline_options_need_pp() -> None:
         HybridStrategy(microbatches=4)
 
 
-def test_zero_bubble_schedules_keep_parameters_gathered() -> None:
+def test_pipelines_keep_parameters_gathered_unless_zero_3_is_asked_for() -> None:
     assert HybridStrategy(pp=2, pp_schedule="interleaved_zero_bubble").options.zero == 2
-    assert HybridStrategy(pp=2, pp_schedule="1f1b").options.zero == 3
+    assert HybridStrategy(pp=2, pp_schedule="1f1b").options.zero == 2  # one all-gather per block and step
+    assert HybridStrategy(pp=2, pp_schedule="1f1b", zero=3).options.zero == 3
+    assert HybridStrategy(dp=2).options.zero == 3
+    chosen = HybridOptions(dp="auto", pp="auto")  # the default follows the chosen layout, a given level stays
+    assert [chosen.with_degrees(dp=2, tp=1, pp=pp, dp_replicate=1).zero for pp in (1, 2)] == [3, 2]
+    given = HybridOptions(dp="auto", pp="auto", zero=3)
+    assert [given.with_degrees(dp=2, tp=1, pp=pp, dp_replicate=1).zero for pp in (1, 2)] == [3, 3]
     with pytest.raises(ValueError, match=r"needs parameters to stay gathered from forward to backward: use zero=2"):
         HybridStrategy(pp=2, pp_schedule="dualpipev", zero=3)
 
@@ -164,10 +171,10 @@ AUTO_ENTRIES = {
 def test_auto_layout_chooses_by_memory_and_trains_like_the_reference(reference_run: ReferenceFn, pp2_runs) -> None:
     reference = reference_run("gpt", 1, LAYERS)
     chosen = pp2_runs("gpt")["auto"]
-    assert chosen["auto_layout"] == "dp1 tp1 pp2 1f1b m2 z3"
+    assert chosen["auto_layout"] == "dp1 tp1 pp2 1f1b m2 z2"
     assert_equivalent(reference, chosen, rtol=RTOL)
     probed = pp2_runs("gpt")["auto_probed"]
-    assert probed["auto_layout"] in ("dp1 tp2 pp1 acc2 z3", "dp1 tp1 pp2 1f1b m2 z3")
+    assert probed["auto_layout"] in ("dp1 tp2 pp1 acc2 z3", "dp1 tp1 pp2 1f1b m2 z2")
     assert_equivalent(reference, probed, rtol=RTOL)
 
 
