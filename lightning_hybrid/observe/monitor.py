@@ -47,7 +47,6 @@ from typing import Any, Callable, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.throughput import get_available_flops
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -57,6 +56,7 @@ from lightning_hybrid.observe.counting import StepCounter
 from lightning_hybrid.observe.timeline import bubble_per_rank, render_timeline, timeline_bubble, to_chrome_trace
 from lightning_hybrid.parallel.precision import total_grad_norm
 from lightning_hybrid.pipeline.timing import StepTimeline
+from lightning_hybrid.plan.probe import device_peak_flops
 
 log = logging.getLogger(__name__)
 
@@ -367,9 +367,8 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 
 def _device_peak_flops(trainer: pl.Trainer) -> Optional[float]:
-    precision = getattr(trainer.precision_plugin, "precision", "32-true")
-    dtype = torch.bfloat16 if str(precision).startswith("bf16") else torch.float32
-    return get_available_flops(trainer.strategy.root_device, dtype)
+    precision = str(getattr(trainer.precision_plugin, "precision", "32-true"))
+    return device_peak_flops(trainer.strategy.root_device, precision)
 
 
 def _communication_seconds(profiler: profile) -> float:

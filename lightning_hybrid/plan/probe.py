@@ -33,6 +33,22 @@ def detect_cluster(device: torch.device, nodes: int, devices_per_node: int, prec
     return _probed_cpu_cluster(nodes, devices_per_node)
 
 
+def device_peak_flops(device: torch.device, precision: str) -> Optional[float]:
+    """A GPU's dense peak FLOP/s in the training dtype (fp32 for ``32-true``, else 16-bit): the datasheet number of
+    its :data:`GPU_PRESETS` entry when it has one, else Lightning's table — which lists some GPUs with their
+    sparse peak (the H200's bf16 as 2.0e15 where dense is 989e12), so the presets come first. ``None`` for a CPU or
+    a GPU neither knows."""
+    if device.type != "cuda":
+        return None
+    memory = float(torch.cuda.get_device_properties(device).total_memory)
+    preset = _preset_for(torch.cuda.get_device_name(device), memory)
+    if preset is not None:
+        return Cluster.preset(preset, precision=precision).peak_flops
+    from lightning.fabric.utilities.throughput import get_available_flops  # Lightning's table of GPU peaks
+
+    return get_available_flops(device, torch.float32 if precision == "32-true" else torch.bfloat16)
+
+
 def _gpu_cluster(device: torch.device, nodes: int, devices_per_node: int, precision: str) -> tuple[Cluster, str]:
     name = torch.cuda.get_device_name(device)
     memory = float(torch.cuda.get_device_properties(device).total_memory)
@@ -41,10 +57,7 @@ def _gpu_cluster(device: torch.device, nodes: int, devices_per_node: int, precis
         cluster = Cluster.preset(preset, nodes=nodes, gpus_per_node=devices_per_node, precision=precision,
                                  memory_bytes=memory)
         return cluster, f"{name}, preset {preset!r} (peak, links), {memory / GIB:.1f} GiB from the device"
-    from lightning.fabric.utilities.throughput import get_available_flops  # Lightning's table of GPU peaks
-
-    dtype = torch.float32 if precision == "32-true" else torch.bfloat16
-    peak = get_available_flops(device, dtype)
+    peak = device_peak_flops(device, precision)
     if peak is None:
         raise ValueError(
             f"HybridStrategy(tp='auto'/pp='auto') does not know the peak FLOP/s of {name!r}. Describe it:"

@@ -158,3 +158,20 @@ def test_timeline_images_and_chrome_traces_every_4_batches(logged_3d) -> None:
         events = json.loads((folder / "traces" / f"step_{step}.json").read_text())["traceEvents"]
         actions = sorted((e["tid"], e["name"]) for e in events if e["ph"] == "X")
         assert actions == [(0, "B0"), (0, "B1"), (0, "F0"), (0, "F1"), (1, "B0"), (1, "B1"), (1, "F0"), (1, "F1")]
+
+
+@pytest.mark.parametrize("name, precision, expected", [
+    ("NVIDIA H200", "bf16-mixed", 989e12),   # Lightning's table lists the H200 with its sparse 2.0e15
+    ("NVIDIA H100 80GB HBM3", "32-true", 67e12),
+    ("NVIDIA H100 80GB HBM3", "16-mixed", 989e12),
+    ("NVIDIA A10G", "bf16-mixed", 125e12),   # no preset: the number of Lightning's table
+])
+def test_mfu_divides_by_the_dense_peak_of_the_gpu(name: str, precision: str, expected: float, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from lightning_hybrid.plan.probe import device_peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=80 * 2**30))
+    assert device_peak_flops(torch.device("cuda", 0), precision) == pytest.approx(expected)
+    assert device_peak_flops(torch.device("cpu"), precision) is None
