@@ -68,7 +68,7 @@ class HybridStrategy(ModelParallelStrategy):
 
     Arguments:
         dp, tp, pp, dp_replicate, zero, tp_plan, blocks, pp_schedule, microbatches, virtual_stages, pp_split,
-        activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights: the
+        activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights, compile: the
             parallelism, validated at construction into :attr:`options`; each is documented at
             :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
             ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
@@ -86,9 +86,7 @@ class HybridStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        dp: Degree = "auto",
-        tp: Degree = 1,
-        pp: Degree = 1,
+        dp: Degree = "auto", tp: Degree = 1, pp: Degree = 1,
         dp_replicate: int = 1,
         zero: Optional[int] = None,
         tp_plan: Optional[Mapping[str, PlanEntry]] = None,
@@ -106,6 +104,7 @@ class HybridStrategy(ModelParallelStrategy):
         monitor: Union[bool, ParallelMonitor] = True,
         cluster: Optional[Cluster] = None,
         weights: Optional[Union[str, PathLike]] = None,
+        compile: Union[bool, Mapping[str, Any]] = False,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -115,7 +114,7 @@ class HybridStrategy(ModelParallelStrategy):
             dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=zero, tp_plan=tp_plan or {}, blocks=blocks,
             pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages, pp_split=pp_split,
             activation_checkpointing=activation_checkpointing, offload=offload, verify_tp_plan=verify_tp_plan,
-            save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster, weights=weights)
+            save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster, weights=weights, compile=compile)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor
