@@ -93,6 +93,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         apply_checkpointing(blocks, owned, options.checkpointing)
     # 4. torch.compile per block
     if options.compile_arguments is not None:
+        check_compile_layout(options, dims.tp, fsdp_applies(dims, options, precision))
         apply_compile(module, blocks, owned, options.compile_arguments, options.pipeline_schedule)
     # 5. FSDP2
     result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, dims, options, precision, result.pipeline)
@@ -151,6 +152,28 @@ def apply_compile(module: nn.Module, blocks: BlockList, owned: Sequence[int], ar
                    f" its first call{kept_note}")
 
 
+def check_compile_layout(options: HybridOptions, tp: int, sharded: bool) -> None:
+    """Refuse, before training, the one combination torch 2.13 cannot compile."""
+    if options.checkpointing is not None and tp > 1 and sharded:
+        # Measured: dp2×tp2 (and dp2×tp2×pp2) with checkpointing fails in the first compiled forward, AOTAutograd
+        # asserting that the checkpointed region saved a DeviceMesh for backward (parameters sharded over data
+        # and tensor meshes at once); dp2 or tp2 alone with checkpointing compiles and trains equal.
+        raise ValueError(
+            "HybridStrategy(compile=..., activation_checkpointing=...) with tp > 1 and FSDP2 (data-parallel"
+            " sharding, offload or bf16-mixed) cannot be compiled by torch 2.13: its checkpointed regions over"
+            " parameters sharded on two meshes fail in AOTAutograd. Drop activation_checkpointing or compile, or"
+            " use tp=1 or a single data-parallel rank."
+        )
+
+
+def fsdp_applies(dims: ParallelDims, options: HybridOptions, precision: str) -> bool:
+    """Whether step 5 applies FSDP2."""
+    # With one data-parallel rank FSDP2 would shard nothing yet make every parameter a DTensor and run its hooks
+    # per block (measured: +15 % step time at tp=2, +20 % at pp=2, BENCHMARKS.md); it stays for what only it
+    # provides here: bf16-mixed's policy and CPU offload.
+    return dims.data_parallel_size > 1 or options.offload or precision == "bf16-mixed"
+
+
 def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh, dims: ParallelDims,
                         options: HybridOptions, precision: str, pipeline: Optional[Pipeline]) -> bool:
     """FSDP2 over the data mesh (HSDP with replicas), block by block then the root, or per pipeline stage; builds
@@ -158,10 +181,7 @@ def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, 
     fsdp_mesh = mesh[DATA_DIMS] if dims.dp_replicate > 1 else mesh[DATA_SHARD]
     fsdp_options = FSDPOptions(zero=int(options.zero), mixed_precision=mixed_precision_policy(precision),
                                offload=options.offload)
-    # With one data-parallel rank FSDP2 would shard nothing yet make every parameter a DTensor and run its hooks
-    # per block (measured: +15 % step time at tp=2, +20 % at pp=2, BENCHMARKS.md); it stays for what only it
-    # provides here: bf16-mixed's policy and CPU offload.
-    sharded = fsdp_mesh.size() > 1 or options.offload or precision == "bf16-mixed"
+    sharded = fsdp_applies(dims, options, precision)
     if pipeline is not None:
         install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None, mesh["dp"].get_group())
     elif sharded:

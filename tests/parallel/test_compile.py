@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.parallel.compile import compile_blocks
-from lightning_hybrid.parallel.parallelize import find_blocks
+from lightning_hybrid.parallel.parallelize import check_compile_layout, find_blocks
 from tests.conftest import ReferenceFn
 from tests.helpers import assert_equivalent, run_script, run_sweep
 from tests.models import GPTConfig, TinyGPT
@@ -45,6 +45,14 @@ def test_bad_compile_values_are_refused(value: object, message: str) -> None:
 def test_compiling_needs_a_block_list() -> None:
     with pytest.raises(ValueError, match="block"):
         find_blocks(nn.Sequential(nn.Linear(2, 2)), HybridOptions(compile=True))
+
+
+def test_checkpointing_over_data_and_tensor_sharded_parameters_is_refused_when_compiling() -> None:
+    options = HybridOptions(tp=2, compile=True, activation_checkpointing="every")
+    with pytest.raises(ValueError, match=r"activation_checkpointing=...\) with tp > 1 and FSDP2 .* cannot be compiled"):
+        check_compile_layout(options, tp=2, sharded=True)
+    check_compile_layout(options, tp=2, sharded=False)  # tp2 alone and dp2 alone compile (the slow test trains both)
+    check_compile_layout(options, tp=1, sharded=True)
 
 
 def _frames_compiled(model: nn.Module, x: torch.Tensor) -> int:
