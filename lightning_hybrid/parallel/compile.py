@@ -24,6 +24,10 @@ backward twice, input gradients then weight gradients; a compiled block's backwa
 it runs in full both times (numbers unchanged, backward compute doubled for the compiled blocks), and AOTAutograd's
 donated buffers, which allow one run only, are switched off for the process.
 
+Refused at setup: activation checkpointing together with tensor parallelism and FSDP2 (parameters sharded over two
+meshes), which torch 2.13's AOTAutograd fails to compile (see
+:func:`~lightning_hybrid.parallel.parallelize.check_compile_layout`).
+
 Example::
 
     arguments = compile_arguments({"mode": "max-autotune-no-cudagraphs"})   # True → {}
