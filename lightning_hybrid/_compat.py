@@ -75,6 +75,25 @@ def existing_ops(paths: Iterable[str]) -> set[Any]:
     return found
 
 
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` itself was compiled: wrapped by ``torch.compile(module)`` or compiled in place by
+    ``module.compile()``. torch has no public query: the wrapper's class lives in ``torch._dynamo`` and in-place
+    compilation only sets the private ``_compiled_call_impl``."""
+    from torch._dynamo.eval_frame import OptimizedModule  # loads Dynamo: only asked when compiling
+
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def let_compiled_backward_run_twice() -> None:
+    """Let backward graphs compiled from now on in this process run more than once per forward. Zero-bubble
+    pipeline schedules run a stage's backward twice (input gradients with ``retain_graph=True``, then weight
+    gradients), which AOTAutograd's donated buffers (saved tensors reused as backward scratch space, a memory
+    saving only) forbid; torch offers this switch only as the private ``torch._functorch.config`` flag."""
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
+
+
 # ---------------------------------------------------------------------------------------------- pipelining
 def stage_to_rank(pp: int, num_stages: int, placement: str) -> dict[int, int]:
     """torch's own stage → pipeline-rank assignment for a schedule's placement (``"loop"`` or ``"v"``): the one

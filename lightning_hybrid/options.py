@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from lightning_hybrid.checks import check_positive
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
+from lightning_hybrid.parallel.compile import Compile, compile_arguments
 from lightning_hybrid.pipeline.schedules import PLANNED_SCHEDULES, PipelineSchedule
 from lightning_hybrid.plan.hardware import Cluster
 
@@ -85,6 +86,11 @@ class HybridOptions:
             all-reduce across ``dp_replicate`` replicas): ``"bf16"`` halves that traffic, each rank's gradient
             rounded to bf16 before the sum; ``None``/``"fp32"`` (default) reduce in fp32 (under ``bf16-mixed``
             too) or in the parameters' dtype.
+        compile: ``True`` compiles every block with ``torch.compile`` (in place, after activation checkpointing and
+            before FSDP2), a dict compiles them with these ``torch.compile`` keyword arguments (``{"mode":
+            "max-autotune-no-cudagraphs"}``); blocks the LightningModule compiled itself are left as they are. Each
+            block class compiles at its first call, the first training step. See
+            :mod:`lightning_hybrid.parallel.compile`.
     """
 
     dp: Degree = AUTO
@@ -105,12 +111,15 @@ class HybridOptions:
     cluster: Optional[Cluster] = None
     weights: Optional[Union[str, os.PathLike]] = None
     reduce_dtype: Optional[str] = None
+    compile: Compile = False
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
     zero_given: Optional[int] = field(init=False, default=None, repr=False)
     #: Which blocks are activation-checkpointed (``None``: none).
     checkpointing: Optional[CheckpointPlan] = field(init=False, default=None)
+    #: The ``torch.compile`` keyword arguments for every block (``None``: no compilation).
+    compile_arguments: Optional[dict[str, Any]] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         check_degrees(self.dp, self.tp, self.pp, self.dp_replicate, auto=("dp", "tp", "pp"))
@@ -120,6 +129,7 @@ class HybridOptions:
         self._set("zero", check_zero_level(_zero_level(self.zero, self.pipeline_schedule)))
         self._set("checkpointing", CheckpointPlan.resolve(self.activation_checkpointing))
         _check_checkpointing_with_schedule(self.checkpointing, self.pipeline_schedule)
+        self._set("compile_arguments", compile_arguments(self.compile))
         self._check_auto_layout()
         if not isinstance(self.offload, bool):
             raise ValueError(f"HybridStrategy(offload={self.offload!r}) is invalid: pass True (CPU offload) or False.")

@@ -36,7 +36,7 @@ from lightning_hybrid.checkpoint.resume import CheckpointRecords
 from lightning_hybrid.first_step import run_first_step
 from lightning_hybrid.mesh import ParallelDims, lightning_view
 from lightning_hybrid.metrics import sync_over
-from lightning_hybrid.observe.monitor import ParallelMonitor
+from lightning_hybrid.observe.monitor import ParallelMonitor, add_monitor
 from lightning_hybrid.options import Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
 from lightning_hybrid.parallel.blocks import capture_block_call
@@ -69,7 +69,8 @@ class HybridStrategy(ModelParallelStrategy):
 
     Arguments:
         dp, tp, pp, dp_replicate, zero, tp_plan, blocks, pp_schedule, microbatches, virtual_stages, pp_split,
-        activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights: the
+        activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights, compile,
+        reduce_dtype: the
             parallelism, validated at construction into :attr:`options`; each is documented at
             :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
             ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
@@ -87,9 +88,7 @@ class HybridStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        dp: Degree = "auto",
-        tp: Degree = 1,
-        pp: Degree = 1,
+        dp: Degree = "auto", tp: Degree = 1, pp: Degree = 1,
         dp_replicate: int = 1,
         zero: Optional[int] = None,
         tp_plan: Optional[Mapping[str, PlanEntry]] = None,
@@ -108,6 +107,7 @@ class HybridStrategy(ModelParallelStrategy):
         cluster: Optional[Cluster] = None,
         weights: Optional[Union[str, PathLike]] = None,
         reduce_dtype: Optional[str] = None,
+        compile: Union[bool, Mapping[str, Any]] = False,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -117,7 +117,7 @@ class HybridStrategy(ModelParallelStrategy):
             dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=zero, tp_plan=tp_plan or {}, blocks=blocks,
             pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages, pp_split=pp_split,
             activation_checkpointing=activation_checkpointing, offload=offload, verify_tp_plan=verify_tp_plan,
-            save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster, weights=weights,
+            save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster, weights=weights, compile=compile,
             reduce_dtype=reduce_dtype)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
@@ -198,7 +198,7 @@ class HybridStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if not any(isinstance(callback, CheckpointRecords) for callback in trainer.callbacks):
             trainer.callbacks.append(CheckpointRecords())
-        self._add_monitor(trainer)
+        add_monitor(trainer, self._monitor)
         read_mesh = model_parallel.stop_watching(self._module_mesh)
         if self._parallelized is self.model:  # a later trainer.test()/predict() reuses the module fit left
             _compat.publish_device_mesh(self, self.lightning_module, self.device_mesh)
@@ -216,14 +216,6 @@ class HybridStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.options.offload:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
-
-    def _add_monitor(self, trainer: Trainer) -> None:
-        if self._monitor is False or any(isinstance(callback, ParallelMonitor) for callback in trainer.callbacks):
-            return
-        if isinstance(self._monitor, ParallelMonitor):
-            trainer.callbacks.append(self._monitor)
-        elif trainer.loggers or trainer.progress_bar_callback is not None:
-            trainer.callbacks.append(ParallelMonitor())
 
     def _parallelize(self, trainer: Trainer) -> None:
         self._parallelized = self.model

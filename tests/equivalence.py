@@ -57,7 +57,8 @@ What is saved (``torch.save`` on global rank 0)
                   a gradient in ``on_after_backward``, and the learning rate at each optimizer step.
 ``initial_params``  the full state dict when training starts (after the strategy initialized the model).
 ``rank_linear_calls``  per rank, how many times an ``nn.Linear`` ran during fit (activation checkpointing's
-                  recomputation calls a block's layers again in backward).
+                  recomputation calls a block's layers again in backward); not counted under ``torch.compile``.
+``rank_compiled_frames``  per rank, how many frames ``torch.compile`` compiled during fit (Dynamo's count).
 ``rank_local_parameter_bytes``  per rank, the bytes of parameter data it holds when training starts (its shards).
 ``rank_parameter_counts``  per rank, the global element count of the parameters it holds (pipeline stages hold
                   only their own).
@@ -91,6 +92,7 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from torch import Tensor  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
@@ -155,9 +157,12 @@ class DistributedOrderSampler(Sampler[int]):
 
 
 class RecordCallback(pl.Callback):
-    """Collects logged losses and, at the end of training, the full parameters (see module docstring)."""
+    """Collects logged losses and, at the end of training, the full parameters (see module docstring).
+    ``count_linear_calls=False`` leaves out ``rank_linear_calls``: under ``torch.compile`` the counting hook's
+    integer would be a guard of every graph, recompiled at each call until Dynamo gives up and runs eagerly."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_linear_calls: bool = True) -> None:
+        self.count_linear_calls = count_linear_calls
         self.losses: list[float] = []
         self.tokens: list[float] = []
         self.step_outputs: list[float] = []
@@ -170,6 +175,8 @@ class RecordCallback(pl.Callback):
         self.rank_parameter_counts: list[int] = []
         self.initial_params: dict[str, Tensor] = {}
         self.rank_linear_calls: list[int] = []
+        self.rank_compiled_frames: list[int] = []
+        self._compiled_frames = 0
         self.rank_local_parameter_bytes: list[int] = []
         self.start_step = 0
         #: Single-process runs only: the total gradient norm before each optimizer step (before clipping), and the
@@ -240,11 +247,12 @@ class RecordCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_step = trainer.global_step
+        self._compiled_frames = counters["frames"]["ok"]
         self.initial_params, _ = self._full_parameters(pl_module)
         local = (p.to_local() if isinstance(p, DTensor) else p for p in pl_module.parameters())
         self.rank_local_parameter_bytes = _all_gather(sum(t.numel() * t.element_size() for t in local))
         # Every nn.Linear call during training, recomputations by activation checkpointing included.
-        for module in pl_module.modules():
+        for module in pl_module.modules() if self.count_linear_calls else ():
             if isinstance(module, torch.nn.Linear):
                 self._linear_hooks.append(module.register_forward_pre_hook(self._count_linear_call))
 
@@ -255,6 +263,7 @@ class RecordCallback(pl.Callback):
         for hook in self._linear_hooks:
             hook.remove()
         self.rank_linear_calls = _all_gather(self._linear_calls)
+        self.rank_compiled_frames = _all_gather(counters["frames"]["ok"] - self._compiled_frames)
         # Global element counts (a DTensor's numel is its global size): what each rank holds before data sharding.
         self.rank_parameter_counts = _all_gather(sum(p.numel() for p in pl_module.parameters()))
         self.params, self.replica_max_abs_diff = self._full_parameters(pl_module)
@@ -512,6 +521,9 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
     """One fit + test + predict; rank 0 saves the result to ``out``. A sweep entry's ``"model"`` replaces
     ``--model`` (several zoo families in one launch); its other keys are HybridStrategy arguments."""
     start = time.perf_counter()
+    # Forget graphs an earlier entry compiled: another layout's graphs would count towards Dynamo's recompile limit
+    # (8 per code object), past which it silently runs eagerly.
+    torch._dynamo.reset()
     recorded_entry = sweep_entry
     if "model" in sweep_entry or "module" in sweep_entry:
         sweep_entry = {k: v for k, v in sweep_entry.items() if k not in ("model", "module")}
@@ -526,7 +538,8 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
         else build_module(args.model, seed=args.seed, config=config, **{"init": args.init, **args.module_kwargs})
     )
     train, val = make_dataloaders(args)
-    recorder = RecordCallback()
+    compiled = bool(args.module_kwargs.get("compile_blocks") or {**args.strategy_kwargs, **sweep_entry}.get("compile"))
+    recorder = RecordCallback(count_linear_calls=not compiled)
     callbacks: list[pl.Callback] = [recorder]
     if args.checkpoint_dir is not None:
         callbacks.append(
@@ -590,6 +603,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "params": recorder.params,
             "initial_params": recorder.initial_params,
             "rank_linear_calls": recorder.rank_linear_calls,
+            "rank_compiled_frames": recorder.rank_compiled_frames,
             "rank_local_parameter_bytes": recorder.rank_local_parameter_bytes,
             "replica_max_abs_diff": recorder.replica_max_abs_diff,
             "hook_calls": recorder.hook_calls,

@@ -430,6 +430,9 @@ class LMLightningModule(pl.LightningModule):
             :func:`lightning_hybrid.parallel.initialization.init_weights` — what ``"meta"`` must equal on one device.
         pretrained: A Hugging Face checkpoint directory whose weights replace the built model's (as
             ``from_pretrained`` loads them): the single-device reference of ``HybridStrategy(weights=...)``.
+        compile_blocks: The module compiles its blocks itself (``block.compile()`` on each, as built): the compiled
+            single-device reference of ``HybridStrategy(compile=True)``, and a module the strategy must not
+            compile twice.
     """
 
     def __init__(
@@ -444,6 +447,7 @@ class LMLightningModule(pl.LightningModule):
         init: Literal["eager", "meta", "per_module"] = "eager",
         log_metrics: bool = False,
         pretrained: str | None = None,
+        compile_blocks: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -462,15 +466,21 @@ class LMLightningModule(pl.LightningModule):
     def _build(self) -> nn.Module:
         model, config = self.hparams.model, self.hparams.config or {}
         if model == "gpt":
-            return TinyGPT(GPTConfig(**config))
+            return self._compiled(TinyGPT(GPTConfig(**config)))
         if model == "llama":
-            return TinyLlama(LlamaConfig(**config))
+            return self._compiled(TinyLlama(LlamaConfig(**config)))
         if model == "tuple":
-            return TupleBlocksLM(TupleConfig(**config))
+            return self._compiled(TupleBlocksLM(TupleConfig(**config)))
         built = ZOO[model].build(config) if model in ZOO else hugging_face_llama(config)
         if self.hparams.pretrained:
             built.load_state_dict(type(built).from_pretrained(self.hparams.pretrained).state_dict())
-        return built
+        return self._compiled(built)
+
+    def _compiled(self, model: nn.Module) -> nn.Module:
+        if self.hparams.compile_blocks:
+            for block in model.blocks if hasattr(model, "blocks") else model.layers:
+                block.compile()
+        return model
 
     def configure_model(self) -> None:
         if self.model is not None:

@@ -4,8 +4,11 @@ Lightning would zero them after the step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
@@ -61,6 +64,14 @@ class _KeepsGradients(_Net):
         pass  # accumulates over every step: nothing may drop the gradients
 
 
+@pytest.fixture()
+def one_process_fit() -> Iterator[None]:
+    yield
+    if dist.is_initialized():  # the fit's one-rank process group: later in-process tests make their own
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_process_fit")
 @pytest.mark.parametrize("case", ["default", "accumulation", "zero_grad_overridden", "callback_reads"])
 def test_the_previous_steps_gradients_are_dropped_only_where_lightning_zeroes_them(case: str) -> None:
     module = _KeepsGradients() if case == "zero_grad_overridden" else _Net()

@@ -300,6 +300,17 @@ class ParallelMonitor(pl.Callback):
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
+def add_monitor(trainer: pl.Trainer, monitor: Union[bool, ParallelMonitor]) -> None:
+    """What ``HybridStrategy(monitor=...)`` adds to the trainer's callbacks: the given monitor, or with ``True`` a
+    default one when something shows it (a logger or the progress bar); nothing when one is there already."""
+    if monitor is False or any(isinstance(callback, ParallelMonitor) for callback in trainer.callbacks):
+        return
+    if isinstance(monitor, ParallelMonitor):
+        trainer.callbacks.append(monitor)
+    elif trainer.loggers or trainer.progress_bar_callback is not None:
+        trainer.callbacks.append(ParallelMonitor())
+
+
 def default_batch_tokens(batch: Any) -> int:
     """Elements of the batch's first integer tensor with ≥ 2 dimensions (token ids), else 0."""
     for value in tree_flatten(batch)[0]:

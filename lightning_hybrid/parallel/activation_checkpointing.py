@@ -32,12 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_hybrid._compat import existing_ops
 
@@ -116,14 +111,14 @@ _CHECKPOINTED_CLASSES: dict[tuple[type, bool], type] = {}
 def _checkpointed_class(cls: type, selective: bool) -> type:
     key = (cls, selective)
     if key not in _CHECKPOINTED_CLASSES:
-        context_fn = _selective_contexts if selective else noop_context_fn
+        # Only selective checkpointing passes a context_fn: torch.compile (2.13) cannot trace a checkpoint given
+        # torch's own noop_context_fn explicitly, which is what leaving it out means.
+        context = {"context_fn": _selective_contexts} if selective else {}
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             # Non-reentrant: supports keyword arguments, tuple outputs and torch.autograd.grad with inputs=, which
             # zero-bubble pipeline schedules use to split input and weight gradients.
-            return checkpoint(
-                functools.partial(cls.forward, self), *args, use_reentrant=False, context_fn=context_fn, **kwargs
-            )
+            return checkpoint(functools.partial(cls.forward, self), *args, use_reentrant=False, **context, **kwargs)
 
         prefix = "SelectiveCheckpointed" if selective else "Checkpointed"
         _CHECKPOINTED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})

@@ -9,7 +9,9 @@
 2. **tensor parallelism**: replaces the blocks' parameters with DTensors on the tensor mesh;
 3. **activation checkpointing**: after tensor parallelism, so the recomputed forward runs the sharded layers and
    their collectives; inside the FSDP2 units applied next, so their hooks gather parameters for the recompute;
-4. (``torch.compile`` per block belongs here: after checkpointing, before FSDP2, as in torchtitan);
+4. **torch.compile** per block, in place (``compile=``): after checkpointing, so the recompute is in the graph;
+   before FSDP2, whose hooks then run eagerly around each block's graph (torchtitan's order); see
+   :mod:`lightning_hybrid.parallel.compile`;
 5. **FSDP2** last: it shards whatever parameters it finds, DTensors included, over the data mesh; with a pipeline
    each stage module is the root of its own units;
 6. **materialization**: a meta-device model gets its values now that each rank holds only its shards;
@@ -41,6 +43,7 @@ from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims
 from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
 from lightning_hybrid.parallel.blocks import BlockList, capture_block_call, find_block_list
+from lightning_hybrid.parallel.compile import compile_blocks
 from lightning_hybrid.parallel.construction import recorded_values, recording_construction  # noqa: F401 (strategy's)
 from lightning_hybrid.parallel.initialization import materialize_meta_module
 from lightning_hybrid.parallel.sharding import FSDPOptions, apply_fsdp, mixed_precision_policy
@@ -88,7 +91,10 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     # 3. activation checkpointing
     if options.checkpointing is not None:
         apply_checkpointing(blocks, owned, options.checkpointing)
-    # 4. (torch.compile per block: next to come, here)
+    # 4. torch.compile per block
+    if options.compile_arguments is not None:
+        check_compile_layout(options, dims.tp, fsdp_applies(dims, options, precision))
+        apply_compile(module, blocks, owned, options.compile_arguments, options.pipeline_schedule)
     # 5. FSDP2
     result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, dims, options, precision, result.pipeline)
     # 6. materialization
@@ -102,12 +108,13 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
 def find_blocks(module: nn.Module, options: HybridOptions) -> BlockList:
     """The blocks the parallelisms work on (see :func:`~lightning_hybrid.parallel.blocks.find_block_list`). Data
     parallelism alone needs none: a model without a recognizable block list is then sharded as one FSDP2 unit,
-    with a warning; tensor and pipeline parallelism, checkpointing and an ``"auto"`` layout need them."""
+    with a warning; tensor and pipeline parallelism, checkpointing, compilation and an ``"auto"`` layout need
+    them."""
     try:
         return find_block_list(module, options.blocks)[1]
     except ValueError as error:
         needs_blocks = (options.blocks is not None or options.chooses_layout or options.tp != 1 or options.pp != 1
-                        or options.checkpointing is not None)
+                        or options.checkpointing is not None or options.compile_arguments is not None)
         if needs_blocks:
             raise
         rank_zero_warn(f"{error} With data parallelism alone the strategy shards the whole model as one FSDP2 unit"
@@ -134,6 +141,39 @@ def apply_checkpointing(blocks: BlockList, owned: Sequence[int], plan: Checkpoin
     rank_zero_info(f"HybridStrategy: activation checkpointing {plan} on {count} blocks")
 
 
+def apply_compile(module: nn.Module, blocks: BlockList, owned: Sequence[int], arguments: dict[str, Any],
+                  schedule: Optional[PipelineSchedule] = None) -> None:
+    """Compile the blocks of ``owned`` in place with ``torch.compile`` ``arguments``, leaving those the module
+    compiled itself (see :mod:`lightning_hybrid.parallel.compile`)."""
+    twice = schedule is not None and schedule.splits_weight_gradients
+    compiled, kept = compile_blocks(module, blocks.path, [blocks[i] for i in owned], arguments, backward_twice=twice)
+    kept_note = f"; {kept} left as the LightningModule compiled them" if kept else ""
+    rank_zero_info(f"HybridStrategy: torch.compile({arguments or ''}) on {compiled} blocks, each class compiled at"
+                   f" its first call{kept_note}")
+
+
+def check_compile_layout(options: HybridOptions, tp: int, sharded: bool) -> None:
+    """Refuse, before training, the one combination torch 2.13 cannot compile."""
+    if options.checkpointing is not None and tp > 1 and sharded:
+        # Measured: dp2×tp2 (and dp2×tp2×pp2) with checkpointing fails in the first compiled forward, AOTAutograd
+        # asserting that the checkpointed region saved a DeviceMesh for backward (parameters sharded over data
+        # and tensor meshes at once); dp2 or tp2 alone with checkpointing compiles and trains equal.
+        raise ValueError(
+            "HybridStrategy(compile=..., activation_checkpointing=...) with tp > 1 and FSDP2 (data-parallel"
+            " sharding, offload or bf16-mixed) cannot be compiled by torch 2.13: its checkpointed regions over"
+            " parameters sharded on two meshes fail in AOTAutograd. Drop activation_checkpointing or compile, or"
+            " use tp=1 or a single data-parallel rank."
+        )
+
+
+def fsdp_applies(dims: ParallelDims, options: HybridOptions, precision: str) -> bool:
+    """Whether step 5 applies FSDP2."""
+    # With one data-parallel rank FSDP2 would shard nothing yet make every parameter a DTensor and run its hooks
+    # per block (measured: +15 % step time at tp=2, +20 % at pp=2, BENCHMARKS.md); it stays for what only it
+    # provides here: bf16-mixed's policy and CPU offload.
+    return dims.data_parallel_size > 1 or options.offload or precision == "bf16-mixed"
+
+
 def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh, dims: ParallelDims,
                         options: HybridOptions, precision: str, pipeline: Optional[Pipeline]) -> bool:
     """FSDP2 over the data mesh (HSDP with replicas), block by block then the root, or per pipeline stage; builds
@@ -142,10 +182,7 @@ def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, 
     fsdp_options = FSDPOptions(zero=int(options.zero),
                                mixed_precision=mixed_precision_policy(precision, options.reduce_dtype),
                                offload=options.offload)
-    # With one data-parallel rank FSDP2 would shard nothing yet make every parameter a DTensor and run its hooks
-    # per block (measured: +15 % step time at tp=2, +20 % at pp=2, BENCHMARKS.md); it stays for what only it
-    # provides here: bf16-mixed's policy and CPU offload.
-    sharded = fsdp_mesh.size() > 1 or options.offload or precision == "bf16-mixed"
+    sharded = fsdp_applies(dims, options, precision)
     if pipeline is not None:
         install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None, mesh["dp"].get_group())
     elif sharded:
@@ -203,14 +240,14 @@ def accept_user_parallelism(module: nn.Module, options: HybridOptions, device: t
             " parallelism). Use pp=1 with it, or leave parallelism to HybridStrategy: do not read"
             " self.device_mesh nor call fully_shard/parallelize_module there."
         )
-    if options.offload or options.checkpointing is not None:
+    if options.offload or options.checkpointing is not None or options.compile_arguments is not None:
         raise ValueError(
-            "HybridStrategy(offload=, activation_checkpointing=) are applied while the strategy shards the"
-            " model, but the LightningModule parallelizes itself (its configure_model/setup read"
+            "HybridStrategy(offload=, activation_checkpointing=, compile=) are applied while the strategy shards"
+            " the model, but the LightningModule parallelizes itself (its configure_model/setup read"
             " self.device_mesh, or applied FSDP2/tensor parallelism). Either let the strategy parallelize (build"
             " the model in configure_model without reading the mesh or calling fully_shard/parallelize_module)"
-            " or pass offload_policy=CPUOffloadPolicy() to your fully_shard calls and checkpoint your blocks"
-            " there."
+            " or pass offload_policy=CPUOffloadPolicy() to your fully_shard calls and checkpoint (and compile)"
+            " your blocks there."
         )
     rank_zero_info("HybridStrategy: the LightningModule parallelizes itself; applying nothing more.")
     apply_materialization(module, device)

@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_hybrid import HybridStrategy, ParallelMonitor
-from lightning_hybrid.observe.monitor import default_batch_tokens
+from lightning_hybrid.observe.monitor import add_monitor, default_batch_tokens
 from tests.conftest import CHECKPOINTED_LAYERS, ReferenceFn
 from tests.equivalence import ACCUMULATE_GRAD_BATCHES
 from tests.helpers import scalars
@@ -60,18 +60,18 @@ def test_strategy_refuses_a_monitor_that_is_not_one() -> None:
 def test_monitor_is_added_when_something_shows_it(
     monitor: bool, logger: bool, progress_bar: bool, added: bool, tmp_path: Path
 ) -> None:
-    strategy = HybridStrategy(monitor=monitor)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, enable_progress_bar=progress_bar,
-                      logger=TensorBoardLogger(tmp_path) if logger else False, enable_checkpointing=False)
-    strategy._add_monitor(trainer)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(monitor=monitor),
+                      enable_progress_bar=progress_bar, logger=TensorBoardLogger(tmp_path) if logger else False,
+                      enable_checkpointing=False)
+    add_monitor(trainer, monitor)
     assert sum(isinstance(c, ParallelMonitor) for c in trainer.callbacks) == int(added)
 
 
 def test_a_configured_monitor_is_used_as_given(tmp_path: Path) -> None:
     monitor = ParallelMonitor(peak_flops=1e12)
-    strategy = HybridStrategy(monitor=monitor)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False)
-    strategy._add_monitor(trainer)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(monitor=monitor), logger=False,
+                      enable_progress_bar=False)
+    add_monitor(trainer, monitor)
     assert [c for c in trainer.callbacks if isinstance(c, ParallelMonitor)] == [monitor]
 
 
