@@ -28,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -80,14 +81,14 @@ class FirstStepTimer(Callback):
 
     def __init__(self) -> None:
         self.first_step_s = float("nan")
-        self._start = 0.0
+        self._start: Optional[float] = None
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.global_step == 0:
+        if self._start is None:
             self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.global_step == 1:
+        if self._start is not None and math.isnan(self.first_step_s):  # the first batch
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.first_step_s = time.perf_counter() - self._start
