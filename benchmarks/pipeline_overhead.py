@@ -10,7 +10,8 @@ is the same for every microbatch count ``m``, so the FLOPs per step stay the sam
 Sides (2 CPU processes, pp=2, 1F1B, gloo, ``OMP_NUM_THREADS=1``, launched with the environment variables that
 ``torch.distributed.run`` sets):
 
-``A``  Lightning ``Trainer`` + ``HybridStrategy(pp=2, microbatches=m, monitor=False)``, the module unchanged.
+``A``  Lightning ``Trainer`` + ``HybridStrategy(pp=2, microbatches=m, pp_split=(2, 2), monitor=False)``, the module
+       unchanged.
 ``B``  No Lightning: ``init_process_group("gloo")``, the same model cut by hand at the same block boundary (2 | 2)
        into one stage module per rank (:class:`FirstStage`, :class:`LastStage`), ``PipelineStage`` +
        ``Schedule1F1B(n_microbatches=m, loss_fn=...)``; loop: ``schedule.step``, ``optimizer.step()``,
@@ -58,6 +59,8 @@ from torch import Tensor, nn
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH, VOCAB, BLOCKS, BATCH, SEQUENCE, WARMUP_STEPS, LR = 16, 32, 4, 16, 8, 5, 0.1
 MICROBATCHES = (2, 8, 16)
+#: Blocks per stage, on both sides (the FLOP-balanced split would give the head's stage fewer blocks).
+SPLIT = (BLOCKS // 2, BLOCKS // 2)
 
 
 # ============================================================================================ the model
@@ -143,7 +146,7 @@ def run_hybrid(microbatches: int, steps: int, profile: Optional[Path]) -> tuple[
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[StepEnds()],
-        strategy=HybridStrategy(pp=2, microbatches=microbatches, monitor=False),
+        strategy=HybridStrategy(pp=2, microbatches=microbatches, pp_split=SPLIT, monitor=False),
     )
     trainer.fit(module, DataLoader(TensorDataset(*make_data(steps)), batch_size=BATCH))
     if profile is not None:
@@ -157,7 +160,7 @@ class FirstStage(nn.Module):
 
     def __init__(self, net: Net) -> None:
         super().__init__()
-        self.embed, self.blocks = net.embed, nn.ModuleList(net.blocks[:BLOCKS // 2])
+        self.embed, self.blocks = net.embed, nn.ModuleList(net.blocks[:SPLIT[0]])
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens)
@@ -171,7 +174,7 @@ class LastStage(nn.Module):
 
     def __init__(self, net: Net) -> None:
         super().__init__()
-        self.blocks, self.head = nn.ModuleList(net.blocks[BLOCKS // 2:]), net.head
+        self.blocks, self.head = nn.ModuleList(net.blocks[SPLIT[0]:]), net.head
 
     def forward(self, x: Tensor) -> Tensor:
         for block in self.blocks:
