@@ -27,8 +27,8 @@ rounds are reported. Per stage and side, a least-squares line over m = 2, 8, 16 
 (the slope, ms per microbatch) and the *per-step* cost (the intercept, ms); A−B is what HybridStrategy and
 Lightning add to torch's pipelining.
 
-``--profile DIR`` runs side A only, with each rank's timed steps under ``cProfile`` (``DIR/A-m{m}-rank{r}.prof``,
-read with ``python -m pstats``); its times are inflated by the profiler and no table is printed.
+``--profile DIR`` runs each rank's timed steps under ``cProfile`` (``DIR/{side}-m{m}-rank{r}.prof``, read with
+``python -m pstats``); its times are inflated by the profiler and no table is printed.
 
 Usage::
 
@@ -152,6 +152,8 @@ def run_hybrid(microbatches: int, steps: int, profile: Optional[Path]) -> tuple[
     if profile is not None:
         profiler.disable()
         profiler.dump_stats(profile / f"A-m{microbatches}-rank{trainer.global_rank}.prof")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # gloo's threads left running abort the process at exit
     return ends
 
 
@@ -182,7 +184,7 @@ class LastStage(nn.Module):
         return self.head(x)
 
 
-def run_manual(microbatches: int, steps: int) -> tuple[list[float], list[float]]:
+def run_manual(microbatches: int, steps: int, profile: Optional[Path]) -> tuple[list[float], list[float]]:
     """Side B: per-step end times ``(process_time, perf_counter)`` of this rank, a hand-written pipeline loop."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -197,6 +199,7 @@ def run_manual(microbatches: int, steps: int) -> tuple[list[float], list[float]]
     optimizer = torch.optim.SGD(stage_module.parameters(), lr=LR)
     tokens, targets = make_data(steps)
     ends: tuple[list[float], list[float]] = ([], [])
+    profiler = cProfile.Profile()
     for step in range(steps):
         batch = slice(step * BATCH, (step + 1) * BATCH)
         if rank == 0:
@@ -207,6 +210,11 @@ def run_manual(microbatches: int, steps: int) -> tuple[list[float], list[float]]
         optimizer.zero_grad()
         ends[0].append(time.process_time())
         ends[1].append(time.perf_counter())
+        if profile is not None and len(ends[0]) == WARMUP_STEPS:
+            profiler.enable()
+    if profile is not None:
+        profiler.disable()
+        profiler.dump_stats(profile / f"B-m{microbatches}-rank{rank}.prof")
     dist.barrier()
     dist.destroy_process_group()
     return ends
@@ -220,7 +228,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.side == "A":
         cpu, wall = run_hybrid(args.worker_microbatches, steps, profile)
     else:
-        cpu, wall = run_manual(args.worker_microbatches, steps)
+        cpu, wall = run_manual(args.worker_microbatches, steps, profile)
     result = {name: 1e3 * statistics.median(b - a for a, b in zip(ends[WARMUP_STEPS - 1:], ends[WARMUP_STEPS:]))
               for name, ends in (("cpu", cpu), ("wall", wall))}
     Path(f"{args.out}.rank{os.environ['RANK']}").write_text(json.dumps(result))
@@ -244,7 +252,8 @@ def launch(side: str, microbatches: int, args: argparse.Namespace, folder: Path)
     for log in logs:
         log.close()
     if any(failed):
-        raise RuntimeError(f"{' '.join(command)} failed:\n{(folder / logs[0].name).read_text()[-3000:]}")
+        tails = "\n".join(f"rank {r}:\n{Path(log.name).read_text()[-2000:]}" for r, log in enumerate(logs))
+        raise RuntimeError(f"{' '.join(command)} failed:\n{tails}")
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 
@@ -275,7 +284,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per launch (after the warm-up)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--microbatches", type=int, nargs="+", default=list(MICROBATCHES))
-    parser.add_argument("--profile", help="folder: run side A under cProfile, one .prof per rank and m")
+    parser.add_argument("--profile", help="folder: run the timed steps under cProfile, one .prof per side, rank, m")
     parser.add_argument("--side", choices=("A", "B"), help=argparse.SUPPRESS)  # a worker rank
     parser.add_argument("--worker-microbatches", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -283,7 +292,7 @@ def main() -> None:
     if args.side is not None:
         worker(args)
         return
-    sides = ["A"] if args.profile else ["A", "B"]
+    sides = ["A", "B"]
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     rounds: dict[tuple[str, int], list[list[dict[str, float]]]] = {}
