@@ -16,7 +16,7 @@ Example::
 
     sync_over(lightning_module, data_mesh.get_group())
     calls: list = []
-    with recording_metric_calls(lightning_module, calls):   # per microbatch, on the pipeline's stages
+    with recording_metric_calls(lightning_module, calls):   # per step, on the pipeline's stages
         lightning_module.training_step(microbatch, 0)
     replay_metric_calls(lightning_module, combine_metric_calls(per_microbatch_calls), device)   # on every rank
 """

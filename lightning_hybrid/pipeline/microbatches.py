@@ -33,25 +33,30 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_hybrid._compat import resize_stage_buffers, stage_buffers_ready, tree_flatten, tree_map
+from lightning_hybrid._compat import resize_stage_buffers, stage_buffers_ready, tree_flatten, tree_unflatten
 
 _MEAN_LOSSES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
+
+
+def _split_leaves(batch: Any, microbatches: int) -> tuple[list[list[Any]], Any]:
+    """Each microbatch's leaves and the batch's tree spec (see :func:`split_microbatches`). Each tensor is split once
+    for all microbatches: split per microbatch, a step cost grew with the square of their number."""
+    leaves, spec = tree_flatten(batch)
+    parts = [v.tensor_split(microbatches) if isinstance(v, Tensor) and v.dim() > 0 else [v] * microbatches
+             for v in leaves]
+    return [[part[index] for part in parts] for index in range(microbatches)], spec
 
 
 def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
     """The batch's microbatches as torch's schedules split it: every tensor along dimension 0 (``tensor_split``:
     sizes differ by at most one sample), anything else repeated."""
-    return [tree_map(lambda v: v.tensor_split(microbatches)[index] if isinstance(v, Tensor) and v.dim() > 0 else v,
-                     batch) for index in range(microbatches)]
+    per_microbatch, spec = _split_leaves(batch, microbatches)
+    return [tree_unflatten(leaves, spec) for leaves in per_microbatch]
 
 
 def samples(batch: Any) -> int:
     """The number of samples of a (micro)batch: the smallest first dimension of its tensors."""
     return min(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0)
-
-
-def _signature(batch: Any) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0] if isinstance(t, Tensor))
 
 
 class LossTerms(TorchFunctionMode):
@@ -105,9 +110,11 @@ class StageBuffers:
         self._shape_pass = shape_pass
         self._fitted: Optional[tuple] = None
 
-    def fit(self, microbatches: list[Any]) -> None:
-        """Make the buffers of every microbatch fit ``microbatches`` (before the schedule runs them)."""
-        signature = tuple(_signature(m) for m in microbatches)
+    def fit(self, batch: Any, microbatches: int) -> None:
+        """Make the buffers of every microbatch fit the batch's ``microbatches`` (before the schedule runs them)."""
+        # From the split leaves: a microbatch is put together only for a shape pass (rare), not every step.
+        parts, spec = _split_leaves(batch, microbatches)
+        signature = tuple(tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, Tensor)) for leaves in parts)
         if signature == self._fitted:
             return
         if not stage_buffers_ready(self._stages[0]):
@@ -119,9 +126,9 @@ class StageBuffers:
                 )
         else:
             sends: dict[tuple, dict[int, list[tuple[int, ...]]]] = {}
-            for index, (microbatch, shapes) in enumerate(zip(microbatches, signature)):
+            for index, shapes in enumerate(signature):
                 if shapes not in sends:
-                    sends[shapes] = self._shape_pass(microbatch)
+                    sends[shapes] = self._shape_pass(tree_unflatten(parts[index], spec))
                 for stage in self._stages:
                     received = sends[shapes].get(stage.stage_index - 1, [])
                     resize_stage_buffers(stage, index, received, sends[shapes].get(stage.stage_index, []))

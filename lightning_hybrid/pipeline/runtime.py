@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -33,7 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_hybrid._compat import keep_forward_actions, tree_flatten, tree_map
+from lightning_hybrid._compat import keep_forward_actions, tree_map
 from lightning_hybrid.parallel.blocks import BlockList, detached
 from lightning_hybrid.pipeline.dispatch import (
     ActiveStage,
@@ -42,8 +43,9 @@ from lightning_hybrid.pipeline.dispatch import (
     UnitDispatcher,
     make_shadows,
     staged_class,
+    tensor_leaves,
 )
-from lightning_hybrid.pipeline.microbatches import StageBuffers, counting_loss_terms, samples, split_microbatches
+from lightning_hybrid.pipeline.microbatches import LossTerms, StageBuffers, samples
 from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.pipeline.semantics import (
     check_batch,
@@ -140,6 +142,9 @@ class Pipeline:
         self._microbatch_outputs: list[Any] = []
         self._microbatch_logs: list[list[tuple[str, Any, dict]]] = []
         self._microbatch_metric_calls: list[list[MetricCall]] = []
+        #: The running step's log and metric calls, of all its microbatches (see :meth:`run_stage`).
+        self._step_logs: list[tuple[str, Any, dict]] = []
+        self._step_metric_calls: list[MetricCall] = []
         self._step_gradients: list[tuple[nn.Parameter, Optional[Tensor]]] = []
         self._recorder = StepRecorder(device)
         #: The last recorded training step of this rank (see :class:`StepTimeline`).
@@ -226,25 +231,31 @@ class Pipeline:
     def run_stage(self, stage: int, received: tuple, batch: Any, step_args: tuple, step_kwargs: dict) -> Any:
         """The body of a stage module's forward: the user's step with this stage active."""
         blocks = self.split.block_range(stage)
-        self._dispatcher.active = ActiveStage(stage, blocks, stage == 0, stage == self.split.num_stages - 1, received)
-        logs: list[tuple[str, Any, dict]] = []
-        metric_calls: list[MetricCall] = []
+        last = stage == self.split.num_stages - 1
+        self._dispatcher.active = ActiveStage(stage, blocks, stage == 0, last, received)
+        # The step's log and metric calls go to lists recorded once per step (run_step); this microbatch's are the
+        # part added while it runs (one forward at a time).
+        logs, metric_calls = self._step_logs, self._step_metric_calls
+        marks = len(logs), len(metric_calls)
+        terms = LossTerms()
         try:
-            with recording_logs(self.module, logs), recording_metric_calls(self.module, metric_calls), \
-                    counting_loss_terms() as terms:
+            # Only the last stage weighs its loss by its terms; elsewhere the step ends at a stage boundary, and the
+            # mode would make every torch call of the step a Python call for nothing.
+            with terms if last else contextlib.nullcontext():
                 output = getattr(self.module, self._step_name)(batch, *step_args, **step_kwargs)
         except StageOutput as done:
+            del logs[marks[0]:], metric_calls[marks[1]:]  # the step did not finish here: its calls do not count
             # Contiguous: process groups send only dense tensors, and a block may hand on a view (T5's first block
             # returns its position bias permuted, for the later blocks to add).
-            return tuple(t.contiguous() for t in tree_flatten(done.output)[0] if isinstance(t, Tensor))
+            return tuple(t.contiguous() for t in tensor_leaves(done.output))
         finally:
             self._dispatcher.end_stage()
-        self._microbatch_logs.append(logs)
+        self._microbatch_logs.append(logs[marks[0]:])
         self._microbatch_terms.append(terms.count if terms.count is not None else float(samples(batch)))
         if self._first_terms is None:
             self._first_terms = self._microbatch_terms[-1]
-        self._microbatch_metric_calls.append(metric_calls)
-        self._microbatch_outputs.append(tree_map(detached, output))
+        self._microbatch_metric_calls.append(metric_calls[marks[1]:])
+        self._microbatch_outputs.append(output.detach() if isinstance(output, Tensor) else tree_map(detached, output))
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if self._step_name == "training_step":
             if not isinstance(loss, Tensor):
@@ -269,13 +280,7 @@ class Pipeline:
         if timed:
             self._recorder.start()
         try:
-            step_inputs = dict(batch=batch, step_args=args, step_kwargs=kwargs)
-            if training:
-                schedule.step(target=target, return_outputs=False, **step_inputs)
-                combine_gradients(self.module, self.shared)  # tied weights: the sum over their stages
-            else:
-                with torch.no_grad():
-                    schedule.eval(target=target, return_outputs=False, **step_inputs)
+            self._run_schedule(schedule, training, target, dict(batch=batch, step_args=args, step_kwargs=kwargs))
         finally:
             self._step_gradients = [(p, p.grad) for p in parameters] if training else []
             for parameter, grad in zip(parameters, kept):
@@ -293,13 +298,28 @@ class Pipeline:
             original_log(self.module)(name, value, **log_kwargs)
         return output
 
+    def _run_schedule(self, schedule: Any, training: bool, target: Tensor, step_inputs: dict) -> None:
+        """All microbatches of the step through the schedule, the step's log and metric calls recorded."""
+        self._step_logs, self._step_metric_calls = [], []
+        # Recorded once per step, not per microbatch: entering the recording walks the module for its metrics and
+        # copies each (per microbatch, a cost that grew with the model's size).
+        with recording_logs(self.module, self._step_logs), \
+                recording_metric_calls(self.module, self._step_metric_calls):
+            if training:
+                schedule.step(target=target, return_outputs=False, **step_inputs)
+            else:
+                with torch.no_grad():
+                    schedule.eval(target=target, return_outputs=False, **step_inputs)
+        if training:
+            combine_gradients(self.module, self.shared)  # tied weights: the sum over their stages
+
     def _start_step(self, step_name: str, batch: Any, args: tuple, kwargs: dict) -> Any:
         """The mode's schedule, its receive buffers fitted to this batch's microbatches, and the step's state reset."""
         microbatches = self.schedule.microbatches
         check_batch(batch, microbatches)
         schedule, buffers = self._schedule_for(step_name == "training_step")
         self._step_name, self._step_call = step_name, (args, kwargs)
-        buffers.fit(split_microbatches(batch, microbatches))
+        buffers.fit(batch, microbatches)
         accumulation = self.module.trainer.accumulate_grad_batches if step_name == "training_step" else 1
         self._loss_scale = 1.0 / (microbatches * accumulation)
         self._microbatch_outputs, self._microbatch_logs, self._microbatch_metric_calls = [], [], []

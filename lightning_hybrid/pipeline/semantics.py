@@ -10,7 +10,7 @@ is returned on every rank.
 Example::
 
     logs: list = []
-    with recording_logs(module, logs):           # per microbatch
+    with recording_logs(module, logs):           # per step (each microbatch takes its part)
         output = module.training_step(microbatch, 0)
     for name, value, kwargs in combine_logs(per_microbatch_logs, weights=[37.0, 41.0]):
         original_log(module)(name, value, **kwargs)

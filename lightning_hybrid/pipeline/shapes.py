@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -57,12 +57,28 @@ class CallShape:
     places: tuple[tuple[int, int], ...]
 
 
+#: ``str`` of the tree spec of ``(args, {})`` with ``n`` tensor args, by ``n`` (see :func:`_flatten_call`).
+_TENSOR_ARGS_SPECS: dict[int, str] = {}
+
+
+def _flatten_call(args: tuple, kwargs: dict) -> tuple[Sequence[Any], str]:
+    """The leaves of ``(args, kwargs)`` and the text of their tree spec. Stand-ins describe every call of another
+    stage's unit, and most are ``block(x, ...)`` with tensors only, whose leaves are the args and whose spec depends
+    on their number alone: flattening and printing the spec cost several times the rest of the description."""
+    if not kwargs and all(isinstance(arg, Tensor) for arg in args):
+        if len(args) not in _TENSOR_ARGS_SPECS:
+            _TENSOR_ARGS_SPECS[len(args)] = str(tree_flatten((args, kwargs))[1])
+        return args, _TENSOR_ARGS_SPECS[len(args)]
+    leaves, spec = tree_flatten((args, kwargs))
+    return leaves, str(spec)
+
+
 def describe_call(args: tuple, kwargs: dict) -> CallShape:
     """The :class:`CallShape` of a call. Floating tensors are one kind (mixed precision changes their dtype, not the
     shapes that follow); any other object counts by its class alone: a key/value cache handed to every block
     (Hugging Face decoders pass one even in training) fills up while the step runs."""
-    leaves, spec = tree_flatten((args, kwargs))
-    structure: list[Any] = [str(spec)]
+    leaves, spec = _flatten_call(args, kwargs)
+    structure: list[Any] = [spec]
     sizes: list[int] = []
     places: list[tuple[int, int]] = []
     for leaf in leaves:
