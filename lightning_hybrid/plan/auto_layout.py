@@ -88,7 +88,8 @@ def candidate_layouts(options: HybridOptions, world: int, accumulation: int = 1)
                             virtual_stages=options.virtual_stages) if pp > 1 else dict(
                                 microbatches=accumulation if accumulation > 1 else None)
             layouts.append(Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, zero=int(options.zero),
-                                  activation_checkpointing=options.planned_checkpointing, **pipeline))
+                                  activation_checkpointing=options.planned_checkpointing,
+                                  shard_vocab=options.shard_vocab, **pipeline))
     return layouts
 
 
