@@ -501,7 +501,7 @@ def _pipeline_buffers(strategy: Any) -> list[Tensor]:
     if pipeline is None:
         return []
     buffers = []
-    for schedule in pipeline._schedules.values():
+    for schedule, _ in pipeline._schedules.values():  # (torch schedule, its stage buffers)
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         for stage in stages:
             for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
