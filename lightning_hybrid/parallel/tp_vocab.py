@@ -82,7 +82,7 @@ def find_vocab_layers(root: nn.Module, blocks: BlockList, run_step: Callable[[],
             handle.remove()
     embeddings = [name for name, m in candidates.items() if isinstance(m, nn.Embedding) and watch.only(name, _BEFORE)]
     heads = [name for name, m in candidates.items() if isinstance(m, nn.Linear) and watch.only(name, _AFTER)]
-    return _pair(candidates, embeddings, heads, tp)
+    return _pair(candidates, embeddings, heads, tp, watch.lookups)
 
 
 def _candidates(root: nn.Module, blocks: BlockList, exclude: Collection[str]) -> dict[str, nn.Module]:
@@ -95,11 +95,17 @@ def _candidates(root: nn.Module, blocks: BlockList, exclude: Collection[str]) ->
             and any(isinstance(module, kind) and type(module).forward is forward for kind, forward in plain.items())}
 
 
-def _pair(candidates: dict[str, nn.Module], embeddings: list[str], heads: list[str], tp: int) -> VocabLayers:
-    """The one embedding/head pair (tied, or the head's width = the vocabulary), or the only embedding alone."""
+def _pair(candidates: dict[str, nn.Module], embeddings: list[str], heads: list[str], tp: int,
+          lookups: dict[str, int]) -> VocabLayers:
+    """The one embedding/head pair (tied, or the head's width = the vocabulary), or the only embedding alone.
+    Of embeddings that match one head equally, the one looking up the most indices per call is the token
+    embedding (the batch's tokens, not a position table read with one ``arange`` for every sequence)."""
     pairs = [(e, h) for e in embeddings for h in heads
              if candidates[h].weight is candidates[e].weight
              or candidates[h].out_features == candidates[e].num_embeddings]
+    most = max((lookups.get(e, 0) for e, _ in pairs), default=0)
+    if sum(lookups.get(e, 0) == most for e, _ in pairs) == 1:
+        pairs = [(e, h) for e, h in pairs if lookups.get(e, 0) == most]
     if len(pairs) > 1:
         return VocabLayers(reason=f"several embedding/head pairs {pairs}: which is the vocabulary is ambiguous")
     if pairs:
@@ -135,6 +141,7 @@ class _VocabWatch:
         self.blocks, self.candidates = blocks, candidates
         self.phase = _BEFORE
         self.calls: dict[str, set[str]] = {name: set() for name in candidates}
+        self.lookups: dict[str, int] = {}  # the most indices an embedding looked up in one call
         self.running: list[str] = []
         owners: dict[int, set[str]] = {}
         for name, module in candidates.items():
@@ -158,9 +165,11 @@ class _VocabWatch:
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
 
-    def _entered(self, name: str, *_: Any) -> None:
+    def _entered(self, name: str, module: nn.Module, args: tuple) -> None:
         self.calls[name].add(self.phase)
         self.running.append(name)
+        if args and isinstance(args[0], torch.Tensor):
+            self.lookups[name] = max(self.lookups.get(name, 0), args[0].numel())
 
     def _left(self, *_: Any) -> None:  # returns None: a forward hook's result would replace the module's output
         self.running.pop()
