@@ -18,9 +18,10 @@ Model states (measured on step 2, in ``on_before_optimizer_step``)
     Ideal: ``16 B × P_stage / (dp × tp)`` -- 4 B parameter + 4 B gradient + 8 B for AdamW's two moments per
     parameter, with ``P_stage`` the parameters of the pipeline stage(s) this rank runs (the whole model when
     pp = 1). AdamW's ``step`` counter (one fp32 scalar per parameter tensor) is measured and counted, not in the
-    ideal. What cannot shard: modules outside the blocks (embeddings, final norm, LM head) are not
-    tensor-parallel in HybridStrategy's automatic plan, and inside a block the LayerNorms, the fused qkv bias and
-    the row-parallel layers' biases are replicated over tp ranks; they are only sharded over dp.
+    ideal. What cannot shard over tp: the position embedding and the final norm (the token embedding and
+    the LM head are sharded over the vocabulary unless ``shard_vocab=False``, the ``*-whole-vocab`` layouts), and
+    inside a block the LayerNorms, the fused qkv bias and the row-parallel layers' biases; they are only sharded
+    over dp.
 
 Activations (measured on step 2, forward + backward)
     ``torch.distributed._tools.mem_tracker.MemTracker`` (a TorchDispatchMode) follows every storage an operation
@@ -163,6 +164,9 @@ LAYOUTS = [
     Layout("pp2", 2, {"pp": 2, "pp_schedule": "1f1b"}),
     Layout("pp2-gpipe-m4", 2, {"pp": 2, "pp_schedule": "gpipe", "microbatches": 4}),
     Layout("tp2-pp2", 4, {"tp": 2, "pp": 2, "pp_schedule": "1f1b"}),
+    # Before vocabulary sharding: the token embedding and head whole on every tp rank.
+    Layout("tp2-whole-vocab", 2, {"tp": 2, "shard_vocab": False}),
+    Layout("tp2-pp2-whole-vocab", 4, {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "shard_vocab": False}),
     Layout("dp1-ac", 1, {"dp": 1, "activation_checkpointing": "every"}),
     Layout("dp1-ac2", 1, {"dp": 1, "activation_checkpointing": 2}),
     Layout("dp1-sac", 1, {"dp": 1, "activation_checkpointing": "selective"}),
@@ -497,7 +501,7 @@ def _pipeline_buffers(strategy: Any) -> list[Tensor]:
     if pipeline is None:
         return []
     buffers = []
-    for schedule in pipeline._schedules.values():
+    for schedule, _ in pipeline._schedules.values():  # (torch schedule, its stage buffers)
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         for stage in stages:
             for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):

@@ -62,6 +62,11 @@ class HybridOptions:
         tp_plan: ``{module name pattern: "colwise" | "rowwise" | "replicate" | ParallelStyle}``, names from the
             LightningModule (``fnmatch`` patterns, e.g. ``"model.blocks.*.attn.qkv"``). Overrides or completes
             the automatic plan; entries outside the blocks are applied as given.
+        shard_vocab: With tp > 1 (default ``True``), shard the token embedding over the vocabulary (row-wise,
+            outputs all-reduced) and the language-model head column-wise (logits all-gathered: the loss still
+            receives full logits); a tied pair keeps one sharded weight. Found from a traced step; an ambiguous
+            structure or a vocabulary tp does not divide stays whole, logged. ``False``: both stay whole on every
+            tp rank (sharded over dp only). See :mod:`lightning_hybrid.parallel.tp_vocab`.
         blocks: Name of the container of repeated blocks (found automatically when ``None``).
         pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
             ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"`` (torch's schedules).
@@ -99,6 +104,7 @@ class HybridOptions:
     dp_replicate: int = 1
     zero: Optional[int] = None
     tp_plan: Mapping[str, Any] = field(default_factory=dict)
+    shard_vocab: bool = True
     blocks: Optional[str] = None
     pp_schedule: str = "1f1b"
     microbatches: Optional[int] = None
@@ -134,6 +140,9 @@ class HybridOptions:
         if not isinstance(self.offload, bool):
             raise ValueError(f"HybridStrategy(offload={self.offload!r}) is invalid: pass True (CPU offload) or False.")
         self._set("reduce_dtype", _checked_reduce_dtype(self.reduce_dtype))
+        if not isinstance(self.shard_vocab, bool):
+            raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
+                             " embedding and head over the vocabulary under tp) or False (keep them whole).")
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
             raise ValueError(f"HybridStrategy(weights={self.weights!r}) must be the path of a Hugging Face checkpoint"
                              " directory.")

@@ -68,10 +68,9 @@ class HybridStrategy(ModelParallelStrategy):
     ranks. What the LightningModule sees as ``self.device_mesh``: :mod:`lightning_hybrid.model_parallel`.
 
     Arguments:
-        dp, tp, pp, dp_replicate, zero, tp_plan, blocks, pp_schedule, microbatches, virtual_stages, pp_split,
-        activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights, compile,
-        reduce_dtype: the
-            parallelism, validated at construction into :attr:`options`; each is documented at
+        dp, tp, pp, dp_replicate, zero, tp_plan, shard_vocab, blocks, pp_schedule, microbatches, virtual_stages,
+        pp_split, activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights,
+        compile, reduce_dtype: the parallelism, validated at construction into :attr:`options`; each is documented at
             :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
             ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
             (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
@@ -92,6 +91,7 @@ class HybridStrategy(ModelParallelStrategy):
         dp_replicate: int = 1,
         zero: Optional[int] = None,
         tp_plan: Optional[Mapping[str, PlanEntry]] = None,
+        shard_vocab: bool = True,
         blocks: Optional[str] = None,
         pp_schedule: str = "1f1b",
         microbatches: Optional[int] = None,
@@ -113,12 +113,11 @@ class HybridStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         let_standalone_trainer_reach_precision(HybridStrategy)
         #: The validated arguments; an ``"auto"`` layout's chosen degrees replace the ``"auto"`` ones at setup.
-        self.options = HybridOptions(
-            dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=zero, tp_plan=tp_plan or {}, blocks=blocks,
-            pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages, pp_split=pp_split,
-            activation_checkpointing=activation_checkpointing, offload=offload, verify_tp_plan=verify_tp_plan,
-            save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster, weights=weights, compile=compile,
-            reduce_dtype=reduce_dtype)
+        self.options = HybridOptions(dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=zero, tp_plan=tp_plan,
+            shard_vocab=shard_vocab, blocks=blocks, pp_schedule=pp_schedule, microbatches=microbatches,
+            virtual_stages=virtual_stages, pp_split=pp_split, activation_checkpointing=activation_checkpointing,
+            offload=offload, verify_tp_plan=verify_tp_plan, save_distributed_checkpoint=save_distributed_checkpoint,
+            cluster=cluster, weights=weights, compile=compile, reduce_dtype=reduce_dtype)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor
@@ -343,6 +342,5 @@ class HybridStrategy(ModelParallelStrategy):
         return bool(flag == self.world_size) if all else bool(flag)
 
 
-StrategyRegistry.register(
-    HybridStrategy.strategy_name, HybridStrategy, description="FSDP2 × automatic tensor parallelism", override=True
-)
+StrategyRegistry.register(HybridStrategy.strategy_name, HybridStrategy,
+                          description="FSDP2 × automatic tensor parallelism", override=True)

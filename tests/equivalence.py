@@ -62,6 +62,8 @@ What is saved (``torch.save`` on global rank 0)
 ``rank_local_parameter_bytes``  per rank, the bytes of parameter data it holds when training starts (its shards).
 ``rank_parameter_counts``  per rank, the global element count of the parameters it holds (pipeline stages hold
                   only their own).
+``rank_local_shapes``  per rank, ``{name: (local shape, global shape)}`` of its DTensor parameters after fit
+                  (tied weights under each name).
 ``resumed_from``, ``checkpoint_seconds``  the checkpoint fit resumed from (``--ckpt-path last`` resolved) and rank 0's
                   wall seconds per checkpoint save and load.
 ``global_step``, ``args``, ``world_size``, ``wall_s``.
@@ -173,6 +175,7 @@ class RecordCallback(pl.Callback):
         self.grads_after_backward: list[bool] = []
         self.learning_rates: list[float] = []
         self.rank_parameter_counts: list[int] = []
+        self.rank_local_shapes: list[dict[str, tuple]] = []
         self.initial_params: dict[str, Tensor] = {}
         self.rank_linear_calls: list[int] = []
         self.rank_compiled_frames: list[int] = []
@@ -266,6 +269,9 @@ class RecordCallback(pl.Callback):
         self.rank_compiled_frames = _all_gather(counters["frames"]["ok"] - self._compiled_frames)
         # Global element counts (a DTensor's numel is its global size): what each rank holds before data sharding.
         self.rank_parameter_counts = _all_gather(sum(p.numel() for p in pl_module.parameters()))
+        self.rank_local_shapes = _all_gather({name: (tuple(p.to_local().shape), tuple(p.shape)) for name, p in
+                                              pl_module.named_parameters(remove_duplicate=False)
+                                              if isinstance(p, DTensor)})
         self.params, self.replica_max_abs_diff = self._full_parameters(pl_module)
 
     @staticmethod
@@ -613,6 +619,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "metric_values": recorder.metric_values,
             "model_flops": recorder.model_flops,
             "rank_parameter_counts": recorder.rank_parameter_counts,
+            "rank_local_shapes": recorder.rank_local_shapes,
             "global_step": fit_step,
             "resumed_from": str(resumed_from) if resumed_from else None,
             "checkpoint_seconds": checkpoint_seconds,

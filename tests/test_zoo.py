@@ -13,6 +13,7 @@ from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.parallel.parallelize import find_blocks
 from tests.helpers import assert_equivalent, cached_runs, run_sweep
 from tests.models import build_module
+from tests.zoo import VOCAB
 
 RTOL = 1e-5
 ZOO_LAUNCH_TIMEOUT_S = 1200
@@ -46,6 +47,8 @@ CASES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Families whose head is the token embedding's weight (one weight, sharded once).
+TIED = {"tied", "hf_gpt2", "hf_qwen2", "hf_bert"}
 #: Families whose LightningModule also logs torchmetrics objects (``self.log("train_acc", self.train_acc)``).
 WITH_METRICS = {"titan"}
 
@@ -94,6 +97,27 @@ def test_zoo_family_trains_like_single_device(model: str, layout: str, zoo_refer
     if model in WITH_METRICS:  # the comparison above covered them: make sure they were logged at all
         assert {"epoch:train_acc_epoch", "validation:val_acc"} <= result["metric_values"].keys()
         assert all(0 <= value <= 1 for values in result["metric_values"].values() for value in values)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "layout"), [(m, layout) for m, layouts in CASES.items() for layout in layouts
+                                               if "tp" in layout])
+def test_zoo_embedding_and_head_are_sharded_over_the_vocabulary(model: str, layout: str, zoo_runs) -> None:
+    """Under tp the token embedding and the head hold a 1/tp slice of the vocabulary's rows (1/(tp·dp) with
+    FSDP2's data sharding on top), tied pairs included without a pipeline; the equivalence test above covers
+    their numbers."""
+    result = zoo_runs(layout)[model]
+    vocab_styles = {name: style for name, style in result["tp_plan"].items() if "(vocab" in style}
+    if model in TIED and "pp" in layout:  # held on two stages: kept whole (see parallelize.find_vocab)
+        assert not vocab_styles
+        return
+    assert sorted(style.split()[0] for style in vocab_styles.values()) == ["colwise", "rowwise"], result["tp_plan"]
+    shapes = {name: shape for rank in result["rank_local_shapes"] for name, shape in rank.items()}
+    shards = 2 * LAYOUTS[layout][1]  # tp=2 × the data-parallel size
+    for name in vocab_styles:
+        local, full = shapes[f"{name}.weight"]
+        assert full[0] == VOCAB and local[0] * shards == VOCAB, (name, local, full)
+    assert ("tied" in next(iter(vocab_styles.values()))) == (model in TIED)
 
 
 def test_data_parallelism_alone_needs_no_block_list() -> None:

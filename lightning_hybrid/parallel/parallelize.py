@@ -6,7 +6,9 @@
 1. **pipeline split** first: it traces the unmodified model to see which modules run before and after the blocks,
    and keeps meta-device copies of every unit (the stand-ins other stages need) before any later step changes
    them; from here on this rank works on its own stages' blocks only;
-2. **tensor parallelism**: replaces the blocks' parameters with DTensors on the tensor mesh;
+2. **tensor parallelism**: replaces the blocks' parameters with DTensors on the tensor mesh, and the token
+   embedding's and head's with shards over the vocabulary (:mod:`lightning_hybrid.parallel.tp_vocab`; which they
+   are was read from a step traced before step 1, on the unmodified model);
 3. **activation checkpointing**: after tensor parallelism, so the recomputed forward runs the sharded layers and
    their collectives; inside the FSDP2 units applied next, so their hooks gather parameters for the recompute;
 4. **torch.compile** per block, in place (``compile=``): after checkpointing, so the recompute is in the graph;
@@ -48,6 +50,7 @@ from lightning_hybrid.parallel.construction import recorded_values, recording_co
 from lightning_hybrid.parallel.initialization import materialize_meta_module
 from lightning_hybrid.parallel.sharding import FSDPOptions, apply_fsdp, mixed_precision_policy
 from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_hybrid.parallel.tp_vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
 from lightning_hybrid.pipeline.runtime import Pipeline, build_pipeline
 from lightning_hybrid.pipeline.schedules import PipelineSchedule
 
@@ -74,6 +77,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     recorded = recorded_values(module)  # names and recipes of the values built on meta, before anything changes them
     owned = list(range(len(blocks)))
     compute_dtype = mixed_precision_policy(precision).param_dtype
+    vocab = find_vocab(module, blocks, dims, options, run_step)  # on the unmodified model, before any step
     # 1. pipeline split
     if dims.pp > 1:
         assert options.pipeline_schedule is not None
@@ -87,6 +91,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
                                                tp_plan=options.tp_plan, verify=options.verify_tp_plan,
                                                apply_to=owned,
                                                capture=lambda block: capture_block_call(block, run_step))
+        result.tp_plan.update(shard_vocab_layers(module, vocab, mesh[TENSOR]) if vocab else {})
         rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={dims.tp}): {result.tp_plan}")
     # 3. activation checkpointing
     if options.checkpointing is not None:
@@ -103,6 +108,23 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     if options.weights is not None:
         load_pretrained(module, options.weights)
     return result
+
+
+def find_vocab(module: nn.Module, blocks: BlockList, dims: ParallelDims, options: HybridOptions,
+               run_step: Callable[..., Any]) -> Optional[VocabLayers]:
+    """The token embedding and head to shard over the vocabulary in step 2 (``None`` with tp = 1 or
+    ``shard_vocab=False``), found by running the step once; what stays whole, and why, is logged."""
+    if dims.tp == 1 or not options.shard_vocab:
+        return None
+    layers = find_vocab_layers(module, blocks, run_step, dims.tp, options.tp_plan)
+    if layers.tied and dims.pp > 1:
+        # The pair is held on the first and the last stage; there the module of the other stage is held for the
+        # weight alone, and a sharded copy's collectives did not line up over the tp ranks (tied zoo models).
+        layers = VocabLayers(reason="a tied embedding/head is held on two pipeline stages")
+    if layers.reason:
+        kept = "the head" if layers.embedding else "the embedding and the head"
+        rank_zero_info(f"HybridStrategy: {kept} stay whole over tp (shard_vocab): {layers.reason}.")
+    return layers
 
 
 def find_blocks(module: nn.Module, options: HybridOptions) -> BlockList:

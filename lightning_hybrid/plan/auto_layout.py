@@ -89,7 +89,8 @@ def candidate_layouts(options: HybridOptions, world: int, accumulation: int = 1)
                                 microbatches=accumulation if accumulation > 1 else None)
             zero = options.zero_given if options.zero_given is not None else default_zero_level(pp > 1)
             layouts.append(Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, zero=int(zero),
-                                  activation_checkpointing=options.planned_checkpointing, **pipeline))
+                                  activation_checkpointing=options.planned_checkpointing,
+                                  shard_vocab=options.shard_vocab, **pipeline))
     return layouts
 
 

@@ -29,10 +29,11 @@ microbatch all-gathers and reduce-scatters as a whole step would. (With p > 1, m
 Memory per GPU
     Model states: parameters + gradients + AdamW moments per the README's dtype table (32-true 4+4+8 B,
     bf16-mixed 4+4+8 with fp32 master weights, bf16-true and 16-true 2+2+4) × the rank's tp-local parameters ÷ d.
-    Only blocks are tensor-parallel (matrices ÷ t, 1-D norms/biases whole); embeddings (first stage), final norm
-    and head (last stage) are whole on every tp rank. Gradients count at the activation peak (conservative: Lightning
-    frees them between steps). Gathered parameters, compute dtype, plus the root unit, as FSDP2's peak was measured
-    (BENCHMARKS.md, Planner): ZeRO-3 three blocks (a prefetched block's all-gather output and its copied-out
+    Blocks are tensor-parallel (matrices ÷ t, 1-D norms/biases whole), and so are the token embedding (V·h, first
+    stage) and an untied head (V·h, last stage) when t divides V (``shard_vocab``, HybridStrategy's default); other
+    embeddings and the final norm are whole on every tp rank. Gradients count at the activation peak (conservative:
+    Lightning frees them between steps). Gathered parameters, compute dtype, plus the root unit, as FSDP2's peak
+    was measured (BENCHMARKS.md, Planner): ZeRO-3 three blocks (a prefetched block's all-gather output and its copied-out
     parameters exist together), ZeRO-2 the stage and two blocks' all-gather buffers; none without FSDP2, which
     HybridStrategy leaves out on one data-parallel rank (d·R = 1) except for bf16-mixed (its casting policy).
     With pp > 1 torch's pipeline keeps
@@ -55,9 +56,11 @@ Memory per GPU
 
 Time per step
     Compute: forward FLOPs per token 2·(L·P_block + V·h) + 4·L·s·h (embedding lookups are free), ×3 with
-    backward, ×4 with recomputation; a rank runs its blocks ÷ t plus, last stage, the whole head; ÷ (peak ×
-    efficiency). TP: 4 all-reduces of b·s·h per block and microbatch (6 with recomputation), ring 2·(t−1)/t ×
-    bytes. PP: an activation and a gradient of b·s·h per microbatch and chunk. FSDP: all-gathers of the stage's
+    backward, ×4 with recomputation; a rank runs its blocks ÷ t plus, last stage, the head (÷ t when sharded over
+    the vocabulary); ÷ (peak × efficiency). TP: 4 all-reduces of b·s·h per block and microbatch (6 with
+    recomputation), ring 2·(t−1)/t × bytes; a vocabulary-sharded embedding adds one (its output), the head one
+    (its input gradient) and an all-gather of the logits b·s·V, (t−1)/t × bytes. PP: an activation and a
+    gradient of b·s·h per microbatch and chunk. FSDP: all-gathers of the stage's
     tp-local parameters, compute dtype (ZeRO-3: forward and backward of every microbatch, 2·m, an upper bound;
     ZeRO-2: one per step with p > 1, where the pipeline keeps the stage gathered, but one per accumulation step,
     m, with p = 1, where FSDP2 reshards after each backward) and reduce-scatters, reduce dtype, (d−1)/d × bytes
@@ -134,6 +137,7 @@ class _Step:
     micro_batch: float  # b: sequences per microbatch
     residual_bytes: float  # one b·s·h tensor: a block's input, a pipeline receive buffer
     block_local_parameters: float  # one block's parameters on one tp rank
+    vocab_shards: int  # t when the token embedding and head are sharded over the vocabulary, else 1
     checkpointed: bool
     fsdp: bool  # HybridStrategy applies FSDP2 (see _memory)
 
@@ -147,6 +151,7 @@ def _step(model: ModelShape, cluster: Cluster, layout: Layout, schedule: Optiona
     return _Step(model, cluster, layout, schedule, bytes_, global_batch, m, v, micro_batch,
                  residual_bytes=micro_batch * model.seq_len * model.hidden * bytes_.compute,
                  block_local_parameters=(model.parameters_per_block - whole) / layout.tp + whole,
+                 vocab_shards=layout.tp if layout.shard_vocab and model.vocab % layout.tp == 0 else 1,
                  checkpointed=layout.activation_checkpointing == "every",
                  fsdp=layout.dp * layout.dp_replicate > 1 or precision == "bf16-mixed")
 
@@ -163,8 +168,12 @@ class _Rank:
     in_flight: int
 
     def local_parameters(self, step: _Step) -> float:
-        return (self.blocks * step.block_local_parameters + self.first * step.model.first_stage_parameters
-                + self.last * step.model.last_stage_parameters)
+        model = step.model
+        # A vocabulary-sharded table keeps 1/t of its V·h on each tp rank (a tied head is the embedding's).
+        saved = min(model.vocab * model.hidden, model.first_stage_parameters) * (1 - 1 / step.vocab_shards)
+        first = model.first_stage_parameters - saved
+        last = model.last_stage_parameters - (0.0 if model.tied_embeddings else saved)
+        return self.blocks * step.block_local_parameters + self.first * first + self.last * last
 
 
 def _ranks(step: _Step) -> list[_Rank]:
@@ -222,12 +231,17 @@ def _times(step: _Step, rank: _Rank) -> tuple[float, float, float, float, float]
     # m tie exactly (no rounding of m × b) and the tie-break in plan() decides.
     replica_activation_bytes = tokens * model.hidden * step.bytes.compute
     block_flops = 2 * model.parameters_per_block + 4 * model.seq_len * model.hidden  # forward, per token
-    forward = tokens * (rank.blocks * block_flops / t + rank.last * 2 * model.vocab * model.hidden)
+    forward = tokens * (rank.blocks * block_flops / t + rank.last * 2 * model.vocab * model.hidden / step.vocab_shards)
     compute = (4 if step.checkpointed else 3) * forward / (cluster.peak_flops * cluster.efficiency)
     all_reduces = 6 if step.checkpointed else 4  # 2 in forward (+2 recomputed), 2 in backward
     alpha, chunk_microbatches = cluster.latency, m * step.virtual_stages
     tensor = rank.blocks * all_reduces * _ring(replica_activation_bytes, t, cluster.link_bandwidth(t, 1), True)
     tensor += rank.blocks * all_reduces * m * alpha if t > 1 else 0.0  # one all-reduce per microbatch each
+    if step.vocab_shards > 1:  # the embedding's output and the head's input gradient all-reduced, logits gathered
+        tensor += (rank.first + rank.last) * (_ring(replica_activation_bytes, t, cluster.link_bandwidth(t, 1), True)
+                                              + m * alpha)
+        tensor += rank.last * (_ring(tokens * model.vocab * step.bytes.compute, t, cluster.link_bandwidth(t, 1))
+                               + m * alpha)
     pipe = 2 * step.virtual_stages * replica_activation_bytes / cluster.link_bandwidth(p, r * d * t) if p > 1 else 0.0
     pipe += 2 * chunk_microbatches * alpha if p > 1 else 0.0  # an activation out, a gradient back
     local, dp_link = rank.local_parameters(step), cluster.link_bandwidth(d, t)

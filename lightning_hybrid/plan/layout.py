@@ -36,6 +36,7 @@ class Layout:
     # Trainer(accumulate_grad_batches=microbatches) (not a HybridStrategy argument), default 1
     microbatches: Optional[int] = None
     virtual_stages: Optional[int] = None  # default: 2 for interleaved_1f1b, else 1
+    shard_vocab: bool = True  # tp > 1: token embedding and head sharded over the vocabulary (if tp divides it)
 
     def __post_init__(self) -> None:
         check_positive_values("Layout", dp=self.dp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate)
@@ -61,7 +62,8 @@ class Layout:
         if self.pp > 1:
             text += f" {self.pp_schedule}" + (f" m{self.microbatches}" if self.microbatches else "")
             text += f" v{self.virtual_stages}" if (self.virtual_stages or 1) > 1 else ""
-        return text + f" z{self.zero}" + (" ac" if self.activation_checkpointing else "")
+        text += f" z{self.zero}" + (" ac" if self.activation_checkpointing else "")
+        return text + (" whole-vocab" if self.tp > 1 and not self.shard_vocab else "")
 
 
 @dataclass(frozen=True)

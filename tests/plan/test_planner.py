@@ -180,12 +180,12 @@ MEASURED = {
     "single": (1, Layout(), 33.63, 12.481),
     "single-ac": (1, Layout(activation_checkpointing="every"), 9.53, 12.481),
     "dp2-z3": (2, Layout(dp=2), 16.82, 6.240),
-    "tp2": (2, Layout(tp=2), 21.60, 6.465),
-    "tp2-ac": (2, Layout(tp=2, activation_checkpointing="every"), 6.52, 6.465),
-    "dp2-tp2": (4, Layout(dp=2, tp=2), 10.80, 3.233),
+    "tp2": (2, Layout(tp=2), 21.73, 6.356),
+    "tp2-ac": (2, Layout(tp=2, activation_checkpointing="every"), 6.52, 6.356),
+    "dp2-tp2": (4, Layout(dp=2, tp=2), 10.86, 3.170),
     "pp2": (2, Layout(pp=2, microbatches=2), 17.31, 6.301),
     "pp2-gpipe-m4": (2, Layout(pp=2, pp_schedule="gpipe", microbatches=4), 17.38, 6.180),
-    "tp2-pp2": (4, Layout(tp=2, pp=2, microbatches=2), 11.30, 3.293),
+    "tp2-pp2": (4, Layout(tp=2, pp=2, microbatches=2), 11.30, 3.246),
     "pp2-ac": (2, Layout(pp=2, microbatches=2, activation_checkpointing="every"), 5.77, 6.301),
 }
 
@@ -204,7 +204,7 @@ def test_memory_matches_the_measured_benchmark(name: str) -> None:
 
 #: BENCHMARKS.md "Memory", measured FSDP2 gathered parameters (MiB, fullest rank) of the same GPT and batch.
 MEASURED_GATHERED = {"dp2-z3": (2, Layout(dp=2), 2.36), "dp2-z2": (2, Layout(dp=2, zero=2), 4.63),
-                     "dp4": (4, Layout(dp=4), 2.36), "dp2-tp2": (4, Layout(dp=2, tp=2), 1.33)}
+                     "dp4": (4, Layout(dp=4), 2.36), "dp2-tp2": (4, Layout(dp=2, tp=2), 1.30)}
 
 
 @pytest.mark.parametrize("name", MEASURED_GATHERED)
@@ -215,7 +215,8 @@ def test_gathered_parameters_match_fsdp2s_measured_peak(name: str) -> None:
     cluster = Cluster(nodes=1, gpus_per_node=gpus, memory_bytes=GIB, peak_flops=1e12, intra_node_bandwidth=1e9,
                       inter_node_bandwidth=1e9)
     memory = estimate(model, cluster, layout, global_batch=16, precision="32-true").memory
-    # tp ranks gather the whole root (embeddings, head) but only their share of each block: a little low there.
+    # tp ranks gather the root (position embedding, final norm whole; token embedding and head: their vocabulary
+    # share) and their share of each block: a little low there.
     assert memory.gathered_parameters / 2**20 == pytest.approx(gathered_mib, rel=0.08 if layout.tp > 1 else 0.01)
 
 
@@ -290,17 +291,29 @@ def test_plan_accumulates_rather_than_recomputes() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ links, rank
+def test_the_vocabulary_tables_shard_over_tp_unless_kept_whole() -> None:
+    model = ModelShape(layers=2, hidden=64, heads=4, vocab=128, seq_len=32)
+    memory = {shard: estimate(model, two_gpus(), Layout(tp=2, shard_vocab=shard), 8, "32-true").memory
+              for shard in (True, False)}
+    # The token embedding and the untied head, 128 × 64 each, keep half their rows per rank: 4 B parameters.
+    assert memory[False].parameters - memory[True].parameters == 4 * 2 * 128 * 64 / 2
+    odd = replace(model, vocab=127)  # tp=2 does not divide it: both tables stay whole either way
+    assert (estimate(odd, two_gpus(), Layout(tp=2), 8, "32-true").memory
+            == estimate(odd, two_gpus(), Layout(tp=2, shard_vocab=False), 8, "32-true").memory)
+
+
 def test_every_message_costs_the_latency() -> None:
-    """α–β: TINY (2 blocks) costs α more per all-reduce (4 per block and microbatch), pipeline message (2 per
-    microbatch) and FSDP collective (a gather per unit in forward and backward, a reduce-scatter per unit; units:
-    2 blocks + root)."""
+    """α–β: TINY (2 blocks) costs α more per all-reduce (4 per block and microbatch, and with the vocabulary
+    sharded the embedding's output, the head's input gradient and the logits' all-gather per microbatch), pipeline
+    message (2 per microbatch) and FSDP collective (a gather per unit in forward and backward, a reduce-scatter per
+    unit; units: 2 blocks + root)."""
     alpha = 1e-3
 
     def times(layout: Layout, latency: float, global_batch: int = 16) -> Any:
         return estimate(TINY, replace(two_gpus(), latency=latency), layout, global_batch, "32-true").time
 
     tp2 = [times(Layout(tp=2, microbatches=2), latency) for latency in (0.0, alpha)]
-    assert tp2[1].tensor_parallel - tp2[0].tensor_parallel == pytest.approx(2 * 4 * 2 * alpha)
+    assert tp2[1].tensor_parallel - tp2[0].tensor_parallel == pytest.approx((2 * 4 + 3) * 2 * alpha)
     pp2 = [times(Layout(pp=2, microbatches=4), latency) for latency in (0.0, alpha)]
     assert pp2[1].pipeline - pp2[0].pipeline == pytest.approx(2 * 4 * alpha)
     dp2 = [times(Layout(dp=2), latency) for latency in (0.0, alpha)]
@@ -334,10 +347,15 @@ def test_tensor_parallelism_across_nodes_ranks_below_within_a_node() -> None:
     model = ModelShape(layers=4, hidden=1024, heads=8, vocab=1000, seq_len=1024)
     across, within = two_nodes_of_four(), Cluster(nodes=1, gpus_per_node=8, memory_bytes=80 * GIB, peak_flops=100e12,
                                                   intra_node_bandwidth=100e9, inter_node_bandwidth=10e9)
-    # 4 blocks × 4 all-reduces × ring 2·7/8 × (64 sequences · 1024 · 1024 · 2 B) over 10 GB/s or 100 GB/s.
+    # 4 blocks × 4 all-reduces × ring 2·7/8 × (64 sequences · 1024 · 1024 · 2 B) over 10 GB/s or 100 GB/s; with
+    # the vocabulary sharded, 2 more all-reduces and an all-gather of the logits (7/8 × 64 · 1024 · 1000 · 2 B).
     ring_bytes = 4 * 4 * 2 * 7 / 8 * 64 * 1024 * 1024 * 2
-    assert estimate(model, across, Layout(tp=8), 64).time.tensor_parallel == pytest.approx(ring_bytes / 10e9)
-    assert estimate(model, within, Layout(tp=8), 64).time.tensor_parallel == pytest.approx(ring_bytes / 100e9)
+    vocab_bytes = 2 * 2 * 7 / 8 * 64 * 1024 * 1024 * 2 + 7 / 8 * 64 * 1024 * 1000 * 2
+    whole_vocab = Layout(tp=8, shard_vocab=False)
+    assert estimate(model, across, whole_vocab, 64).time.tensor_parallel == pytest.approx(ring_bytes / 10e9)
+    assert estimate(model, within, whole_vocab, 64).time.tensor_parallel == pytest.approx(ring_bytes / 100e9)
+    sharded = estimate(model, within, Layout(tp=8), 64).time.tensor_parallel
+    assert sharded == pytest.approx((ring_bytes + vocab_bytes) / 100e9)
     ranked = [e.layout for e in plan(model, across, 64, zero_levels=(3,), checkpointing=(None,))]
     assert ranked.index(Layout(dp=2, tp=4)) < ranked.index(Layout(tp=8))
     assert ranked[0] == Layout(dp=8)  # compute-bound: no tensor parallelism, FSDP traffic hidden

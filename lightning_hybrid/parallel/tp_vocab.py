@@ -1,0 +1,221 @@
+"""The token embedding and the language-model head sharded over the vocabulary (tensor parallelism outside the
+blocks), found from one traced step, never from names.
+
+At a large vocabulary they are the biggest matrices of the model (128k × 8192 is 1 B parameters each), and whole
+on every tensor-parallel rank they make the first and last pipeline stages the memory bottleneck. Sharded:
+
+* the **embedding** row-wise over the vocabulary (torch's ``RowwiseParallel(input_layouts=Replicate())``): each
+  rank looks up the tokens of its rows, zeros for the others, and the outputs are all-reduced;
+* the **head** column-wise (``ColwiseParallel(output_layouts=Replicate())``): each rank computes the logits of
+  its rows and they are all-gathered, so the user's unmodified loss still receives full, plain logits;
+* a **tied** pair (the head's weight *is* the embedding's) keeps one weight: both styles shard it ``Shard(0)``, so
+  one DTensor serves both modules, and every other module that held the old parameter (a bias tied to a masked-LM
+  decoder's) is given the new one. Under pipeline parallelism a tied weight lives on the first and the last stage;
+  with pp > 1 it stays whole for now (:func:`lightning_hybrid.parallel.parallelize.find_vocab`): sharded, the
+  collectives of the copies held on both stages did not line up.
+
+Which modules: :func:`find_vocab_layers` runs the user's step once (gradients off; on the meta device for a
+meta-device model) and records, for the ``nn.Embedding`` and ``nn.Linear`` modules outside the blocks, whether
+they run before or after the blocks and whether any code outside them reads their parameters (a head computing
+``x @ embed.weight.T`` by hand would receive a DTensor it cannot mix with plain tensors). The embedding runs only
+before the blocks, the head only after them, and the head's output width is the embedding's vocabulary (or its
+weight is the embedding's). Anything ambiguous (two such pairs, a weight read by hand, a vocabulary tp does not
+divide) stays whole, as before, with the reason logged.
+
+Example::
+
+    layers = find_vocab_layers(module, blocks, run_step, tp=2, tp_plan={})
+    layers.embedding, layers.head, layers.tied     # "model.tok_emb", "model.head", False
+    shard_vocab_layers(module, layers, mesh["tp"])  # {"model.tok_emb": "rowwise (vocab)", "model.head": ...}
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.overrides import TorchFunctionMode
+
+from lightning_hybrid._compat import tree_leaves
+from lightning_hybrid.parallel.blocks import BlockList
+from lightning_hybrid.parallel.tp_plan import PlanEntry, resolve_overrides
+
+_BEFORE, _TRUNK, _AFTER = "before", "between", "after"
+
+
+@dataclass(frozen=True)
+class VocabLayers:
+    """What :func:`find_vocab_layers` found: the module names to shard (``None``: kept whole) and why any is
+    kept whole (``""`` when both are sharded)."""
+
+    embedding: Optional[str] = None
+    head: Optional[str] = None
+    tied: bool = False
+    reason: str = ""
+
+
+def find_vocab_layers(root: nn.Module, blocks: BlockList, run_step: Callable[[], Any], tp: int,
+                      tp_plan: Mapping[str, PlanEntry]) -> VocabLayers:
+    """The token embedding and the head of ``root`` that can be sharded over ``tp`` ranks, from one run of
+    ``run_step`` (the user's step on the first batch); modules the user's ``tp_plan`` names (or that contain or
+    lie inside one it names) are the user's."""
+    names = [name for name, _ in root.named_modules()]
+    users = tuple(resolve_overrides(tp_plan, names))
+    exclude = {name for name in names for user in users
+               if name == user or name.startswith(user + ".") or user.startswith(name + ".")}
+    candidates = _candidates(root, blocks, exclude)
+    if not candidates:
+        return VocabLayers(reason="no nn.Embedding or nn.Linear outside the blocks")
+    watch = _VocabWatch(root, blocks, candidates)
+    handles = watch.attach()
+    try:
+        with torch.no_grad(), watch.reads:
+            run_step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    embeddings = [name for name, m in candidates.items() if isinstance(m, nn.Embedding) and watch.only(name, _BEFORE)]
+    heads = [name for name, m in candidates.items() if isinstance(m, nn.Linear) and watch.only(name, _AFTER)]
+    return _pair(candidates, embeddings, heads, tp, watch.lookups)
+
+
+def _candidates(root: nn.Module, blocks: BlockList, exclude: Collection[str]) -> dict[str, nn.Module]:
+    """Plain ``nn.Embedding`` / ``nn.Linear`` modules outside the blocks (a subclass with its own forward may use
+    its weight in ways the styles do not shard)."""
+    inside = {id(m) for m in blocks.container.modules()}
+    plain = {nn.Embedding: nn.Embedding.forward, nn.Linear: nn.Linear.forward}
+    return {name: module for name, module in root.named_modules()
+            if id(module) not in inside and name not in exclude
+            and any(isinstance(module, kind) and type(module).forward is forward for kind, forward in plain.items())}
+
+
+def _pair(candidates: dict[str, nn.Module], embeddings: list[str], heads: list[str], tp: int,
+          lookups: dict[str, int]) -> VocabLayers:
+    """The one embedding/head pair (tied, or the head's width = the vocabulary), or the only embedding alone.
+    Of embeddings that match one head equally, the one looking up the most indices per call is the token
+    embedding (the batch's tokens, not a position table read with one ``arange`` for every sequence)."""
+    pairs = [(e, h) for e in embeddings for h in heads
+             if candidates[h].weight is candidates[e].weight
+             or candidates[h].out_features == candidates[e].num_embeddings]
+    most = max((lookups.get(e, 0) for e, _ in pairs), default=0)
+    if sum(lookups.get(e, 0) == most for e, _ in pairs) == 1:
+        pairs = [(e, h) for e, h in pairs if lookups.get(e, 0) == most]
+    if len(pairs) > 1:
+        return VocabLayers(reason=f"several embedding/head pairs {pairs}: which is the vocabulary is ambiguous")
+    if pairs:
+        embedding, head = pairs[0]
+    elif len(embeddings) == 1:
+        embedding, head = embeddings[0], None
+    else:
+        found = embeddings or "none"
+        return VocabLayers(reason=f"no head of the vocabulary's width after the blocks, and embeddings {found}")
+    vocab = candidates[embedding].num_embeddings
+    if vocab % tp:
+        return VocabLayers(reason=f"tp={tp} does not divide the vocabulary of '{embedding}' ({vocab})")
+    unsupported = _unsupported_embedding(candidates[embedding])
+    if unsupported:
+        return VocabLayers(reason=f"'{embedding}' uses {unsupported}")
+    tied = head is not None and candidates[head].weight is candidates[embedding].weight
+    return VocabLayers(embedding, head, tied, "" if head else "no head of the vocabulary's width after the blocks")
+
+
+def _unsupported_embedding(embedding: nn.Embedding) -> str:
+    # max_norm renormalizes rows of the weight in place during the lookup, sparse gradients are not DTensors, and
+    # scale_grad_by_freq counts tokens over the whole vocabulary: none is what the sharded lookup computes.
+    options = {"max_norm": embedding.max_norm is not None, "sparse": embedding.sparse,
+               "scale_grad_by_freq": embedding.scale_grad_by_freq}
+    return ", ".join(name for name, used in options.items() if used)
+
+
+class _VocabWatch:
+    """Hooks following one step: the phase (before, between, after the blocks) each candidate runs in, and the
+    candidates whose parameters code outside them reads."""
+
+    def __init__(self, root: nn.Module, blocks: BlockList, candidates: dict[str, nn.Module]) -> None:
+        self.blocks, self.candidates = blocks, candidates
+        self.phase = _BEFORE
+        self.calls: dict[str, set[str]] = {name: set() for name in candidates}
+        self.lookups: dict[str, int] = {}  # the most indices an embedding looked up in one call
+        self.running: list[str] = []
+        owners: dict[int, set[str]] = {}
+        for name, module in candidates.items():
+            for parameter in module.parameters():
+                owners.setdefault(id(parameter), set()).add(name)
+        self.read_outside: set[str] = set()
+        self.reads = _OutsideReads(owners, self.running, self.read_outside)
+
+    def only(self, name: str, phase: str) -> bool:
+        """Whether candidate ``name`` ran in ``phase`` only and nothing outside it read its parameters."""
+        return self.calls[name] == {phase} and name not in self.read_outside
+
+    def attach(self) -> list[Any]:
+        handles = [self.blocks[0].register_forward_pre_hook(lambda *_: self._set_phase(_TRUNK)),
+                   self.blocks[len(self.blocks) - 1].register_forward_hook(lambda *_: self._set_phase(_AFTER))]
+        for name, module in self.candidates.items():
+            handles.append(module.register_forward_pre_hook(functools.partial(self._entered, name)))
+            handles.append(module.register_forward_hook(self._left))
+        return handles
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    def _entered(self, name: str, module: nn.Module, args: tuple) -> None:
+        self.calls[name].add(self.phase)
+        self.running.append(name)
+        if args and isinstance(args[0], torch.Tensor):
+            self.lookups[name] = max(self.lookups.get(name, 0), args[0].numel())
+
+    def _left(self, *_: Any) -> None:  # returns None: a forward hook's result would replace the module's output
+        self.running.pop()
+
+
+class _OutsideReads(TorchFunctionMode):
+    """Notes the candidates whose parameters a torch function reads while none of their holders is running."""
+
+    def __init__(self, owners: dict[int, set[str]], running: list[str], read_outside: set[str]) -> None:
+        super().__init__()
+        self._owners, self._running, self._read_outside = owners, running, read_outside
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        # Only uses that compute a tensor count: reading metadata (``weight.dtype``, ``weight.shape``) is not a use.
+        if any(isinstance(v, torch.Tensor) for v in tree_leaves(result)):
+            for value in tree_leaves((args, kwargs or {})):
+                holders = self._owners.get(id(value)) if isinstance(value, nn.Parameter) else None
+                if holders and not (self._running and self._running[-1] in holders):
+                    self._read_outside.update(holders)
+        return result
+
+
+def shard_vocab_layers(root: nn.Module, layers: VocabLayers, mesh: DeviceMesh) -> dict[str, str]:
+    """Shard ``layers``' head column-wise (logits gathered) and embedding row-wise over the vocabulary on the
+    tensor mesh, keeping tied parameters tied; returns ``{module name: style}`` for the applied plan."""
+    applied: dict[str, str] = {}
+    if layers.head is not None:  # first: a tied embedding then finds its weight already Shard(0)
+        _parallelize_keeping_ties(root, layers.head, mesh, ColwiseParallel(output_layouts=Replicate()))
+        applied[layers.head] = "colwise (vocab, logits gathered)" + (" tied" if layers.tied else "")
+    if layers.embedding is not None:
+        _parallelize_keeping_ties(root, layers.embedding, mesh, RowwiseParallel(input_layouts=Replicate()))
+        applied[layers.embedding] = "rowwise (vocab)" + (" tied" if layers.tied else "")
+    return applied
+
+
+def _parallelize_keeping_ties(root: nn.Module, name: str, mesh: DeviceMesh, style: ParallelStyle) -> None:
+    """Apply ``style`` to module ``name``; every module that held one of its replaced parameters gets the new one."""
+    module = root.get_submodule(name)
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for holder in root.modules():
+        for attribute, parameter in holder.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(parameter), []).append((holder, attribute))
+    before = dict(module.named_parameters(recurse=False))
+    parallelize_module(module, mesh, style)
+    for attribute, old in before.items():
+        new = getattr(module, attribute)
+        for holder, held_as in holders.get(id(old), []):
+            setattr(holder, held_as, new)
