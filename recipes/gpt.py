@@ -104,10 +104,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer: embeddings -> ``blocks`` -> final LN -> LM head.
 
-    The LM head is *not* tied to the token embedding. Tying would make one
-    parameter live in two places with different tensor-parallel layouts
-    (row-sharded embedding vs. column-sharded head), which complicates the
-    parallel plan for no benefit at this scale.
+    The LM head is not tied to the token embedding (a choice of this model:
+    a tied pair would also train, one weight sharded over the vocabulary).
     """
 
     def __init__(self, config: GPTConfig) -> None:

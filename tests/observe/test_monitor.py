@@ -126,13 +126,18 @@ def test_communication_volume_matches_the_layout(logged_3d) -> None:
     # Pipeline: each microbatch's activation forward (stage 0) or its gradient backward (stage 1), nothing else.
     assert comm["send"] == comm["recv"] == activation
     # Tensor parallel (Megatron): 2 all-reduces of the activation per block forward, 2 backward; 2 blocks per
-    # stage. Beyond that only scalars: the loss and gradient-norm reductions of this step (< 1 KiB).
-    megatron = 4 * (CHECKPOINTED_LAYERS // 2) * activation
-    assert megatron <= comm["all_reduce"] < megatron + 1024
+    # stage; plus the vocabulary-sharded embedding's output (stage 0, forward) or the column-parallel head's input
+    # gradient (stage 1, backward): one activation more. Beyond that only scalars: the loss and gradient-norm
+    # reductions of this step (< 1 KiB).
+    tensor_parallel = (4 * (CHECKPOINTED_LAYERS // 2) + 1) * activation
+    assert tensor_parallel <= comm["all_reduce"] < tensor_parallel + 1024, comm
     # FSDP2 over dp=2: one reduce-scatter of the stage's (tp-local) gradients per step = 2 × the rank's shard.
-    assert comm["reduce_scatter"] == 2 * max(result["rank_local_parameter_bytes"])
-    # ZeRO-2, the default under pp: each block gathered once per step, not once per microbatch forward and backward.
-    assert comm["all_gather"] == 2 * max(result["rank_local_parameter_bytes"])
+    local = result["rank_local_parameter_bytes"]  # per global rank: stage 0 holds ranks 0-3, stage 1 ranks 4-7
+    assert comm["reduce_scatter"] == 2 * max(local)
+    # ZeRO-2, the default under pp: each block gathered once per step, not once per microbatch forward and backward;
+    # the last stage also gathers the head's logits over the vocabulary shards (all microbatches' full logits).
+    logits = per_replica_batch * config["seq_len"] * config["vocab_size"] * FLOAT_BYTES
+    assert comm["all_gather"] == max(2 * max(local[:4]), 2 * max(local[4:]) + logits), comm
     assert 0 < logged["comm/share_of_step"][0][1] < 1
 
 
