@@ -11,7 +11,8 @@ injects), so all see the same sequences in the same order.
 
 Sides (one process per rank, launched with ``python -m torch.distributed.run``, gloo on CPU, ``OMP_NUM_THREADS=1``):
 
-``hybrid``         Lightning ``Trainer`` + ``HybridStrategy(dp=, tp=, pp=, monitor=False)``, module unchanged.
+``hybrid``         Lightning ``Trainer`` + ``HybridStrategy(dp=, tp=, pp=, monitor=False)``, module unchanged
+                   (with tp, ``shard_vocab=False``: embeddings and head whole over tp, as on the other sides).
 ``manual``         No Lightning: ``init_process_group("gloo")``, ``init_device_mesh``, then the same torch primitives
                    the strategy applies, written by hand (:func:`manual_parallelize`, :func:`manual_pipeline`):
                    dp: ``fully_shard`` per block (resharded after forward) + the GPT root (kept gathered);
@@ -676,6 +677,8 @@ def make_strategy(side: str, layout: Layout) -> Any:
             options.update(pp_schedule="1f1b", microbatches=MICROBATCHES)
         if "monitor" in inspect.signature(HybridStrategy.__init__).parameters:
             options["monitor"] = False  # the strategy alone, without its monitoring callback
+        if layout.tp > 1 and "shard_vocab" in inspect.signature(HybridStrategy.__init__).parameters:
+            options["shard_vocab"] = False  # the other sides' plan: embeddings and head whole over tp
         return HybridStrategy(**options)
     if side == "modelparallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
