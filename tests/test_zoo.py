@@ -163,7 +163,7 @@ DESCRIPTIONS = {
 }
 
 
-def tested_models_table() -> str:
+def readme_models_table() -> str:
     """The README's "Tested models" table: ✓ = trains like single-process Lightning (tests above), a phrase =
     stops before training with a message naming the module and what to pass, – = not run."""
     header = "| model | " + " | ".join(LAYOUTS) + " |"
@@ -177,7 +177,7 @@ def tested_models_table() -> str:
 
 def test_the_readme_table_is_the_zoo() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert tested_models_table() in readme, "regenerate it: python -c 'from tests.test_zoo import *; print(tested_models_table())'"
+    assert readme_models_table() in readme, "regenerate it: python -c 'from tests.test_zoo import *; print(readme_models_table())'"
 
 
 @pytest.mark.parametrize(("model", "layout"), list(REFUSED))
