@@ -718,7 +718,7 @@ def run_lightning(side: str, layout: Layout, windows: StepWindows) -> None:
                 stages = []
                 pipeline = getattr(trainer.strategy, "pipeline", None)
                 if pipeline is not None:
-                    for schedule in pipeline._schedules.values():
+                    for schedule, _ in pipeline._schedules.values():  # (schedule, its stage buffers)
                         stages += getattr(schedule, "_stages", None) or [schedule._stage]
                 return [trainer.strategy.model, pl_module, *trainer.optimizers, *pipeline_receive_buffers(stages)]
 
