@@ -40,10 +40,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from torch.overrides import TorchFunctionMode
 
-from lightning_hybrid._compat import tree_leaves
 from lightning_hybrid.parallel.blocks import BlockList
+from lightning_hybrid.parallel.dataflow import ParameterUses
 from lightning_hybrid.parallel.tp_plan import PlanEntry, resolve_overrides
 
 _BEFORE, _TRUNK, _AFTER = "before", "between", "after"
@@ -143,12 +142,12 @@ class _VocabWatch:
         self.calls: dict[str, set[str]] = {name: set() for name in candidates}
         self.lookups: dict[str, int] = {}  # the most indices an embedding looked up in one call
         self.running: list[str] = []
-        owners: dict[int, set[str]] = {}
+        self._owners: dict[int, set[str]] = {}
         for name, module in candidates.items():
             for parameter in module.parameters():
-                owners.setdefault(id(parameter), set()).add(name)
+                self._owners.setdefault(id(parameter), set()).add(name)
         self.read_outside: set[str] = set()
-        self.reads = _OutsideReads(owners, self.running, self.read_outside)
+        self.reads = ParameterUses(self._read)
 
     def only(self, name: str, phase: str) -> bool:
         """Whether candidate ``name`` ran in ``phase`` only and nothing outside it read its parameters."""
@@ -174,23 +173,11 @@ class _VocabWatch:
     def _left(self, *_: Any) -> None:  # returns None: a forward hook's result would replace the module's output
         self.running.pop()
 
-
-class _OutsideReads(TorchFunctionMode):
-    """Notes the candidates whose parameters a torch function reads while none of their holders is running."""
-
-    def __init__(self, owners: dict[int, set[str]], running: list[str], read_outside: set[str]) -> None:
-        super().__init__()
-        self._owners, self._running, self._read_outside = owners, running, read_outside
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        # Only uses that compute a tensor count: reading metadata (``weight.dtype``, ``weight.shape``) is not a use.
-        if any(isinstance(v, torch.Tensor) for v in tree_leaves(result)):
-            for value in tree_leaves((args, kwargs or {})):
-                holders = self._owners.get(id(value)) if isinstance(value, nn.Parameter) else None
-                if holders and not (self._running and self._running[-1] in holders):
-                    self._read_outside.update(holders)
-        return result
+    def _read(self, parameter: nn.Parameter) -> None:
+        """A torch function used ``parameter``: note its candidates unless one of them is the module running."""
+        holders = self._owners.get(id(parameter))
+        if holders and not (self.running and self.running[-1] in holders):
+            self.read_outside.update(holders)
 
 
 def shard_vocab_layers(root: nn.Module, layers: VocabLayers, mesh: DeviceMesh) -> dict[str, str]:

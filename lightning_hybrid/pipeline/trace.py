@@ -22,11 +22,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_hybrid._compat import tree_leaves
 from lightning_hybrid.parallel.blocks import BlockList
+from lightning_hybrid.parallel.dataflow import ParameterUses
 from lightning_hybrid.pipeline.shapes import UnitShapes, describe_call, output_spec
 
 BEFORE, TRUNK, AFTER = "before the blocks", "between blocks", "after the blocks"
@@ -76,7 +75,7 @@ def trace_step(root: nn.Module, blocks: BlockList, run_step: Callable[[], Any]) 
     names_of = _parameter_names(root, outer, direct)
     handles = watch.attach()
     try:
-        with torch.no_grad(), watch.counter, _ParameterReads(names_of, watch.reads, watch.state):
+        with torch.no_grad(), watch.counter, ParameterUses(functools.partial(watch.note_read, names_of)):
             run_step()
     finally:
         for handle in handles:
@@ -112,7 +111,7 @@ class _StepWatch:
 
     def __init__(self, blocks: BlockList, outer: dict[str, nn.Module]) -> None:
         self.blocks, self.outer = blocks, outer
-        self.state = {"phase": BEFORE}  # a dict: _ParameterReads reads the current phase from it
+        self.phase = BEFORE
         self.calls_of: dict[str, set[str]] = {name: set() for name in outer}
         self.reads: dict[str, set[str]] = {}
         self.calls = [0] * len(blocks)
@@ -140,7 +139,7 @@ class _StepWatch:
 
     def _block_started(self, index: int, module: nn.Module, args: Any) -> None:
         self.calls[index] += 1
-        self.state["phase"] = TRUNK
+        self.phase = TRUNK
         self.marks["block"] = self.counter.get_total_flops()
         if index == 0:
             self.marks["trunk"] = self.marks["block"]
@@ -148,29 +147,16 @@ class _StepWatch:
     def _block_finished(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         self.block_flops[index] += self.counter.get_total_flops() - self.marks["block"]
         if index == len(self.blocks) - 1:
-            self.state["phase"] = AFTER
+            self.phase = AFTER
             self.marks["after"] = self.counter.get_total_flops()
 
     def _outer_called(self, name: str, module: nn.Module, args: Any) -> None:
-        self.calls_of[name].add(self.state["phase"])
+        self.calls_of[name].add(self.phase)
 
-
-class _ParameterReads(TorchFunctionMode):
-    """Records the phase in which each named parameter is used by any torch function (under all of its names)."""
-
-    def __init__(self, names_of: dict[int, list[str]], reads: dict[str, set[str]], state: dict[str, Any]) -> None:
-        super().__init__()
-        self._names_of, self._reads, self._state = names_of, reads, state
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        # Only uses that compute a tensor count: reading metadata (``p.is_meta``, ``p.numel()``) is not a use.
-        if any(isinstance(v, torch.Tensor) for v in tree_leaves(result)):
-            for value in tree_leaves((args, kwargs or {})):
-                if isinstance(value, nn.Parameter) and id(value) in self._names_of:
-                    for name in self._names_of[id(value)]:
-                        self._reads.setdefault(name, set()).add(self._state["phase"])
-        return result
+    def note_read(self, names_of: dict[int, list[str]], parameter: nn.Parameter) -> None:
+        """A torch function used ``parameter``: the phase it happened in, under each of its names."""
+        for name in names_of.get(id(parameter), ()):
+            self.reads.setdefault(name, set()).add(self.phase)
 
 
 def _check_block_calls(calls: list[int]) -> None:
