@@ -1,0 +1,1 @@
+"""Keeping long runs alive: a stuck rank named, replicas that drifted apart caught."""
