@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_hybrid import _compat, model_parallel
 from lightning_hybrid.checkpoint import lightning_io
+from lightning_hybrid.checkpoint.data_position import make_resumable
 from lightning_hybrid.checkpoint.resume import CheckpointRecords
 from lightning_hybrid.first_step import run_first_step
 from lightning_hybrid.mesh import ParallelDims, lightning_view
@@ -176,6 +177,10 @@ class HybridStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Tensor-parallel ranks of one replica must see the same batch: the sampler counts data-parallel ranks only.
         return {"num_replicas": self.data_mesh.size(), "rank": self.data_mesh.get_local_rank()}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return make_resumable(dataloader)  # its position saved as global samples consumed: mid-epoch resume
 
     @property
     def is_distributed(self) -> bool:

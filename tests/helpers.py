@@ -56,6 +56,14 @@ def run_script(
     return result
 
 
+def run_rank_script(script: Path, args: Sequence[str | int | os.PathLike[str]],
+                    nprocs_timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Like :func:`run_script` for another script that takes ``--devices N`` and ``--out PATH``: its ranks start
+    together the same way; returns what it saved to ``--out``."""
+    out, _ = _launch([str(a) for a in args], nprocs_timeout, script=script)
+    return torch.load(out, map_location="cpu", weights_only=False)
+
+
 def run_sweep(
     args: Sequence[str | int | os.PathLike[str]], entries: Sequence[dict[str, Any]],
     nprocs_timeout: float = DEFAULT_TIMEOUT_S,
@@ -72,8 +80,9 @@ def run_sweep(
     return results
 
 
-def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0) -> tuple[Path, float]:
-    """Start every rank of ``equivalence.py args``, wait for all; returns ``(--out path, seconds)``."""
+def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Path = SCRIPT) -> tuple[Path, float]:
+    """Start every rank of ``script args`` (default ``equivalence.py``), wait for all; returns ``(--out path,
+    seconds)``."""
     if "--out" not in args:
         raise ValueError("run_script needs --out PATH among the arguments")
     out = Path(args[args.index("--out") + 1])
@@ -88,7 +97,7 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0) -> tuple[P
         env.pop(var, None)
     if devices > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(devices), NODE_RANK="0")
-    command = [sys.executable, str(SCRIPT), *args]
+    command = [sys.executable, str(script), *args]
     for path in expected:
         path.unlink(missing_ok=True)  # never load a stale result from an earlier run
     out.parent.mkdir(parents=True, exist_ok=True)

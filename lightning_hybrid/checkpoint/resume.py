@@ -7,6 +7,9 @@
   ``max_epochs`` are not affected). The shuffled order then differs from the uninterrupted run's, and so do the
   losses. Every training sampler's epoch is set to ``trainer.current_epoch`` at the start of each epoch, before the
   loader is iterated; in an uninterrupted run both numbers are equal and nothing changes.
+* **Mid-epoch resume**: each training batch is counted on the training sampler, whose position Lightning saves
+  and restores through the loader (:mod:`lightning_hybrid.checkpoint.data_position`); when a resumed epoch has
+  another number of batches left (another data-parallel size), Lightning's batch counters are aligned to it.
 * **The module's class** is recorded under :data:`MODULE_CLASS_KEY` as ``"package.module:ClassName"`` (or
   ``"/path/to/script.py:ClassName"`` for a class defined in the script that was run), so an export can rebuild the
   module from the checkpoint alone (``lightning-hybrid export CKPT OUT --hf``). Lightning itself records only the
@@ -27,6 +30,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_hybrid._compat import set_sampler_epoch, tree_leaves
+from lightning_hybrid.checkpoint.data_position import align_batch_progress, resumable_sampler
 
 #: Key of the module's class path in the checkpoint dict (``meta.pt`` of a sharded checkpoint).
 MODULE_CLASS_KEY = "lightning_hybrid_module_class"
@@ -36,10 +40,17 @@ class CheckpointRecords(Callback):
     """Keep the training samplers' epoch equal to ``trainer.current_epoch`` and record the module's class in every
     checkpoint (see the module docstring)."""
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for sampler in _resumable_samplers(trainer):
+            align_batch_progress(trainer, sampler)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        loaders = trainer.train_dataloader  # one loader, or a list/dict of them; None before the data is set up
-        for loader in tree_leaves(loaders) if loaders is not None else ():
+        for loader in _train_loaders(trainer):
             set_sampler_epoch(loader, trainer.current_epoch)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        for sampler in _resumable_samplers(trainer):
+            sampler.note_batch()
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # fully_shard swaps the module's class for a subclass it makes (FSDP<Name>); the user's class is its base
@@ -47,6 +58,15 @@ class CheckpointRecords(Callback):
         class_path = module_class_path(user_class)
         if class_path is not None:
             checkpoint[MODULE_CLASS_KEY] = class_path
+
+
+def _train_loaders(trainer: Trainer) -> list[Any]:
+    loaders = trainer.train_dataloader  # one loader, or a list/dict of them; None before the data is set up
+    return tree_leaves(loaders) if loaders is not None else []
+
+
+def _resumable_samplers(trainer: Trainer) -> list[Any]:
+    return [s for s in map(resumable_sampler, _train_loaders(trainer)) if s is not None]
 
 
 def module_class_path(module_class: type) -> Optional[str]:
