@@ -7,7 +7,9 @@ The rows share one checkpoint folder and follow each other, each launch resuming
 
 1. starts afresh and loses rank 1 in the forward of step 6;
 2. resumes (``last``: step 4) and loses rank 1 in the optimizer step of step 9;
-3. resumes (``last``: step 8) and loses rank 1 in the save at step 12, which leaves only a ``.partial`` folder;
+3. resumes (``last``: step 8) and loses rank 1 in its first save: the epoch-end checkpoint of step 8 written again
+   (the step-8 checkpoint was saved at validation end, before the epoch finished, so the resumed run finishes that
+   epoch and saves it once more), which leaves only a ``.partial`` folder beside the complete one;
 4. finds last.ckpt (still step 8) garbled: refused on every rank, naming the file and the checkpoint to use instead;
 5. resumes from that one (step 8) and finishes.
 """
@@ -62,7 +64,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     rows: dict[str, Any] = {"folder": folder}
     rows["forward"] = _failed_run([*args, "--kill", "1:forward:6"], tmp / "forward.pt")
     rows["optimizer"] = _failed_run([*args, "--ckpt-path", "last", "--kill", "1:optimizer:9"], tmp / "optimizer.pt")
-    # The save at step 12 is this launch's first: epoch=2-step=12.ckpt (then last.ckpt would follow).
+    # This launch's first save rewrites epoch=1-step=8.ckpt (see the module docstring).
     rows["save"] = _failed_run([*args, "--ckpt-path", "last", "--kill", "1:save:1"], tmp / "save.pt")
     rows["after_save"] = sorted(path.name for path in folder.iterdir())
     rows["last_step"] = torch.load(folder / "last.ckpt" / "meta.pt", weights_only=False)["global_step"]
@@ -81,7 +83,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize(("row", "step", "phase", "resumed_from_step"), [
     ("forward", 6, r"the training step \(forward\)", None),
     ("optimizer", 9, r"gradient clipping \(optimizer step\)", 4),
-    ("save", 12, "a checkpoint save", 8),
+    ("save", 8, "a checkpoint save", 8),
 ])
 def test_survivor_of_a_killed_rank_says_what_happened_and_where_to_resume(
     matrix: dict[str, Any], row: str, step: int, phase: str, resumed_from_step: int | None
@@ -97,9 +99,9 @@ def test_survivor_of_a_killed_rank_says_what_happened_and_where_to_resume(
 
 
 def test_a_save_cut_short_is_never_resumed_from(matrix: dict[str, Any]) -> None:
-    assert matrix["after_save"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt.partial",
+    assert matrix["after_save"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=1-step=8.ckpt.partial",
                                     "last.ckpt"]
-    assert matrix["last_step"] == 8  # last.ckpt is still the complete one of step 8
+    assert matrix["last_step"] == 8  # last.ckpt, what "last" resumes from, is not the folder being written
 
 
 def test_a_garbled_shard_is_refused_on_every_rank_naming_the_file_and_the_checkpoint_to_use(
@@ -115,5 +117,6 @@ def test_a_garbled_shard_is_refused_on_every_rank_naming_the_file_and_the_checkp
     assert matrix["suggested"] == matrix["folder"] / "epoch=1-step=8.ckpt"  # the same step's own copy
     resumed = matrix["resumed"]
     assert resumed["start_step"] == 8 and resumed["global_step"] == 14
-    # Its save at step 12 replaced the debris of the one cut short, and last.ckpt is whole again.
-    assert matrix["final"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
+    # Its saves replaced the debris of the one cut short; step 14 (max_steps, mid-epoch) was saved at the end.
+    assert matrix["final"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt",
+                               "epoch=3-step=14.ckpt", "last.ckpt"]
