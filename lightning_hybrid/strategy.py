@@ -50,6 +50,7 @@ from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.plan.auto_layout import choose_for_run
 from lightning_hybrid.plan.hardware import Cluster
 from lightning_hybrid.plan.layout import Estimate
+from lightning_hybrid.resilience.lost_rank import explain_lost_rank
 from lightning_hybrid.steps import RootStepRouter, free_stale_gradients
 
 
@@ -328,6 +329,9 @@ class HybridStrategy(ModelParallelStrategy):
         return lightning_io.load_checkpoint(Path(self.broadcast(checkpoint_path)), self.model, self.optimizers,
                                             strict=self.lightning_module.strict_loading, weights_only=weights_only)
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:  # a rank that died, told plainly to the survivors
+        explain_lost_rank(exception, self.lightning_module, self.global_rank)
     # ------------------------------------------------------------------------------------------- collectives
     @override
     def reduce(

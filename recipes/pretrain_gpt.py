@@ -13,6 +13,11 @@ Usage (from the repository root)::
     python recipes/pretrain_gpt.py --activation-checkpointing selective --offload   # less memory, more time
     python recipes/pretrain_gpt.py --peak-flops 5e10 --chrome-trace-dir traces   # MFU on a CPU; timeline traces
     tensorboard --logdir lightning_logs
+
+A checkpoint is written every ``checkpoint.every_n_train_steps`` steps to ``<log-dir>/checkpoints`` and a run
+resumes from the newest complete one there (``--ckpt-path last``, the default), so running the same command again
+after a crash continues the training; ``recipes/launch/torchrun.sh`` and ``recipes/launch/slurm.sbatch`` do that
+by themselves (torchrun's ``--max-restarts``, SLURM's ``--requeue``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
-from lightning.pytorch.callbacks import LearningRateMonitor  # noqa: E402
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from lightning_hybrid import HybridStrategy, ParallelMonitor  # noqa: E402
@@ -65,6 +70,7 @@ OVERRIDES: list[tuple[str, str | None, str]] = [
     ("peak_flops", "monitor", "peak_flops"),
     ("timeline_every_n_steps", "monitor", "timeline_every_n_steps"),
     ("chrome_trace_dir", "monitor", "chrome_trace_dir"),
+    ("checkpoint_every_n_steps", "checkpoint", "every_n_train_steps"),
 ]
 
 
@@ -92,7 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help="per data-parallel rank")
     p.add_argument("--seed", type=int)
     p.add_argument("--log-dir", default="lightning_logs", help="TensorBoard save_dir")
-    p.add_argument("--ckpt-path", help="checkpoint to resume from")
+    p.add_argument("--ckpt-path", default="last",
+                   help='checkpoint to resume from; "last" (default): the newest complete one in <log-dir>/checkpoints'
+                        ' if there is one, else start afresh')
+    p.add_argument("--checkpoint-every-n-steps", type=int, help="training steps between checkpoints")
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device, for MFU (CPUs and unknown GPUs)")
     p.add_argument("--timeline-every-n-steps", type=int, help="steps between pipeline timeline images")
     p.add_argument("--chrome-trace-dir", help="also write the timeline steps as Chrome traces here")
@@ -156,7 +165,7 @@ def build_trainer(cfg: dict[str, Any], log_dir: str, history: LossHistory) -> Tr
         num_nodes=t["num_nodes"],
         strategy=strategy,
         logger=TensorBoardLogger(save_dir=log_dir, name=""),  # logs in <log_dir>/version_N
-        callbacks=[history, LearningRateMonitor(logging_interval="step")],
+        callbacks=[history, LearningRateMonitor(logging_interval="step"), periodic_checkpoints(cfg, log_dir)],
         max_steps=t["max_steps"],
         precision=t["precision"],
         gradient_clip_val=t["gradient_clip_val"],
@@ -166,6 +175,16 @@ def build_trainer(cfg: dict[str, Any], log_dir: str, history: LossHistory) -> Tr
         check_val_every_n_epoch=None,
         limit_val_batches=t["limit_val_batches"],
         log_every_n_steps=t["log_every_n_steps"],
+    )
+
+
+def periodic_checkpoints(cfg: dict[str, Any], log_dir: str) -> ModelCheckpoint:
+    """Checkpoints every few steps in one folder shared by all attempts (not the logger's ``version_N``), where a
+    restarted run's ``ckpt_path="last"`` finds them. The newest ``keep`` are kept (ordered by step), so a damaged
+    newest one leaves an earlier one to resume from."""
+    return ModelCheckpoint(
+        dirpath=Path(log_dir) / "checkpoints", every_n_train_steps=cfg["checkpoint"]["every_n_train_steps"],
+        save_last=True, monitor="step", mode="max", save_top_k=cfg["checkpoint"]["keep"],
     )
 
 

@@ -66,6 +66,8 @@ What is saved (``torch.save`` on global rank 0)
                   (tied weights under each name).
 ``resumed_from``, ``checkpoint_seconds``  the checkpoint fit resumed from (``--ckpt-path last`` resolved) and rank 0's
                   wall seconds per checkpoint save and load.
+``start_step``, ``restart_count``  the step training started at (the resumed checkpoint's) and, under ``torchrun
+                  --max-restarts``, which attempt this was (0 for the first).
 ``global_step``, ``args``, ``world_size``, ``wall_s``.
 """
 
@@ -250,6 +252,8 @@ class RecordCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_step = trainer.global_step
+        if trainer.global_rank == 0:  # what the crash tests read when a run ends before saving its result
+            print(f"[equivalence] training starts at step {trainer.global_step}", flush=True)
         self._compiled_frames = counters["frames"]["ok"]
         self.initial_params, _ = self._full_parameters(pl_module)
         local = (p.to_local() if isinstance(p, DTensor) else p for p in pl_module.parameters())
@@ -319,14 +323,26 @@ class UserParallelModule(LMLightningModule):
         fully_shard(self.model, mesh=data_mesh)
 
 
-class KillAtStep(pl.Callback):
-    """SIGKILL this process when optimizer step ``step`` starts (a rank crashing mid-training)."""
+class KillAt(pl.Callback):
+    """SIGKILL this process at optimizer step ``step`` (``global_step`` when it starts), a rank crashing there:
+    when the step's first batch starts (``where="step"``), inside its first forward (``"forward"``: when the
+    model's last ``nn.Linear`` is called) or inside ``optimizer.step`` after the backward, before clipping and the
+    update (``"optimizer"``)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, where: str, step: int) -> None:
+        self.where, self.step = where, step
 
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        if self.where == "step":
+            _die()
+        if self.where == "forward":
+            last_linear = [m for m in pl_module.modules() if isinstance(m, torch.nn.Linear)][-1]
+            last_linear.register_forward_pre_hook(lambda *_: _die())
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.where == "optimizer" and trainer.global_step == self.step:
             _die()
 
 
@@ -336,12 +352,13 @@ def _die() -> None:
 
 
 def kill_switch(spec: str) -> pl.Callback:
-    """The ``--kill RANK:WHERE:N`` callback for this rank (a no-op on the others)."""
+    """The ``--kill RANK:WHERE:N`` callback for this rank (a no-op on the others, and on attempts after the first
+    under ``torchrun --max-restarts``, so the restarted job runs to the end)."""
     rank, where, count = spec.split(":")
-    if int(os.environ.get("RANK", 0)) != int(rank):
+    if int(os.environ.get("RANK", 0)) != int(rank) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         return pl.Callback()
-    if where == "step":
-        return KillAtStep(int(count))
+    if where != "save":
+        return KillAt(where, int(count))
     # Die when the N-th checkpoint save starts on this rank, while the other ranks are writing theirs.
     import lightning_hybrid.checkpoint.lightning_io as strategy_module
 
@@ -419,8 +436,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path, help="save a sharded checkpoint at every epoch end here")
     parser.add_argument("--ckpt-path", help='resume from this checkpoint ("last": the newest last*.ckpt there)')
     parser.add_argument("--kill", metavar="RANK:WHERE:N",
-                        help="SIGKILL rank RANK at the start of optimizer step N (WHERE=step) or when it starts its"
-                             " N-th checkpoint save (WHERE=save), to test crash handling")
+                        help="SIGKILL rank RANK at optimizer step N: when it starts (WHERE=step), in its forward"
+                             " (forward), in optimizer.step (optimizer); or when it starts its N-th checkpoint save"
+                             " (save). First attempt only under torchrun. To test crash handling")
     parser.add_argument("--monitor", action="store_true",
                         help="add ModelCheckpoint(monitor='val_loss') and EarlyStopping; record each rank's decisions")
     parser.add_argument("--user-parallel", action="store_true",
@@ -621,6 +639,8 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "rank_parameter_counts": recorder.rank_parameter_counts,
             "rank_local_shapes": recorder.rank_local_shapes,
             "global_step": fit_step,
+            "start_step": first_step,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),  # the attempt under torchrun
             "resumed_from": str(resumed_from) if resumed_from else None,
             "checkpoint_seconds": checkpoint_seconds,
             "rank_decisions": decisions,

@@ -88,13 +88,7 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Pa
     out = Path(args[args.index("--out") + 1])
     expected = [sweep_out(out, index) for index in range(outputs)] if outputs else [out]
     devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env["OMP_NUM_THREADS"] = "1"
-    # Rank variables from an outer launcher must not leak into the ranks started here.
-    for var in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
-                "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(var, None)
+    env = launch_env()
     if devices > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(devices), NODE_RANK="0")
     command = [sys.executable, str(script), *args]
@@ -125,6 +119,18 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Pa
     if failed or not all(path.exists() for path in expected):
         raise ScriptError(f"ranks {failed} failed after {run_s:.1f}s: {' '.join(command)}\n{_tails(logs)}")
     return out, run_s
+
+
+def launch_env() -> dict[str, str]:
+    """The environment for ranks started by a test: this checkout importable, one OpenMP thread each (several ranks
+    share few cores and oversubscription makes gloo runs crawl), and no rank variables of an outer launcher."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    for var in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
+                "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(var, None)
+    return env
 
 
 def free_port() -> int:

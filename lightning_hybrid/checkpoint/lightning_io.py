@@ -5,7 +5,8 @@ the module's parameters (``state_dict``) and each optimizer's state (``optimizer
 file with everything else (epoch, loops, callbacks, hyperparameters). Tensors are stored under the unmodified
 module's names and global shapes, so it loads under any other layout. It is written under ``<name>.partial`` and
 renamed when complete: a crash mid-save leaves only the partial folder, which neither a path nor
-``ckpt_path="last"`` (ModelCheckpoint's ``last*.ckpt``) ever resolves to.
+``ckpt_path="last"`` (ModelCheckpoint's ``last*.ckpt``) ever resolves to. The files' sizes and checksums are
+recorded in it and checked before a load (``checkpoint/integrity.py``).
 
 Example::
 
@@ -32,6 +33,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_hybrid._compat import lightning_metadata_path
+from lightning_hybrid.checkpoint.integrity import (
+    DamagedCheckpointError,
+    damaged_files,
+    damaged_message,
+    record_checksums,
+    resume_hint,
+)
 from lightning_hybrid.checkpoint.sharded import (
     MODULE_STATE_KEY,
     key_mismatch_message,
@@ -67,6 +75,8 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path, global_rank: int, ba
     save_sharded(shards, partial)  # returns once every rank's shard and the DCP metadata are written
     if global_rank == 0:
         torch.save(checkpoint, lightning_metadata_path(partial))
+    record_checksums(partial, global_rank)
+    if global_rank == 0:
         publish_checkpoint(partial, path)
     barrier()
 
@@ -75,18 +85,22 @@ def load_checkpoint(path: Path, model: nn.Module, optimizers: Sequence[Optimizer
                     weights_only: Optional[bool] = None) -> dict[str, Any]:
     """Load a sharded folder or a consolidated file into the sharded ``model`` and ``optimizers`` in place and
     return the rest of Lightning's checkpoint dict. A damaged checkpoint raises one ``RuntimeError`` on every
-    rank; names that do not match the model raise ``KeyError`` (with ``strict``)."""
+    rank (``DamagedCheckpointError`` naming the files when checksums show it); names that do not match the model
+    raise ``KeyError`` (with ``strict``)."""
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     try:
         if path.is_dir():
+            damaged = damaged_files(path)
+            if damaged:
+                raise DamagedCheckpointError(damaged_message(path, damaged))
             _load_sharded(path, model, optimizers, strict)
             return torch.load(lightning_metadata_path(path), weights_only=weights_only)
         # Memory-mapped: every rank reads only the slices it keeps, not a private copy of the whole file.
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         load_full(model, list(optimizers), checkpoint, strict=strict, path=path)
         return checkpoint
-    except KeyError:
+    except (KeyError, DamagedCheckpointError):
         raise
     # DCP gathers every rank's read errors into a CheckpointException (a BaseException) raised on all ranks.
     except (Exception, CheckpointException) as error:
@@ -94,7 +108,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizers: Sequence[Optimizer
         cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
         raise RuntimeError(
             f"Could not read the checkpoint {path}: {type(error).__name__}: {cause}. The checkpoint is incomplete"
-            " or corrupted (e.g. a save that was interrupted); resume from an earlier one. Nothing was written."
+            f" or corrupted (e.g. a save that was interrupted). Nothing was written. {resume_hint(path)}"
         ) from error
 
 

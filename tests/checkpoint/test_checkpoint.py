@@ -9,9 +9,7 @@ of a global batch is the same set of samples for every data-parallel size, see `
 
 from __future__ import annotations
 
-import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -83,56 +81,19 @@ def test_truncated_shard_is_reported_on_every_rank_and_left_untouched(uninterrup
     damaged = tmp_path / checkpoint.name
     shutil.copytree(checkpoint, damaged)
     shard = damaged / "__3_0.distcp"
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    written = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: written // 2])
     before = {p.name: p.read_bytes() for p in damaged.iterdir()}
-    with pytest.raises(ScriptError, match=r"ranks \[0, 1, 2, 3\] failed") as failure:
+    with pytest.raises(ScriptError, match=r"ranks \[0, 1, 2, 3\] failed"):
         _resume("dp2_tp2", damaged, tmp_path / "x.pt")
-    assert str(failure.value).count("is incomplete or corrupted") >= 1
+    # The recorded sizes name the shard before DCP reads any of it (bytes changed in place:
+    # tests/resilience/test_failure_matrix.py).
     for rank in range(4):
         log = (tmp_path / f"x.rank{rank}.log").read_text()
-        assert f"Could not read the checkpoint {damaged}" in log, rank
+        assert f"The checkpoint {damaged} is damaged: __3_0.distcp ({written // 2} bytes, {written} written:" \
+               " truncated or overwritten). Nothing was loaded." in log, rank
+        assert f"No other checkpoint is in {tmp_path}" in log, rank
     assert {p.name: p.read_bytes() for p in damaged.iterdir()} == before
-
-
-# ---------------------------------------------------------------------------------------------------- crashes
-#: Two ranks, 10 steps: checkpoints at steps 4 and 8 (epoch ends), each with ModelCheckpoint's last.ckpt.
-CRASH_RUN = ["--model", "gpt", "--layers", CHECKPOINTED_LAYERS, "--dp", 2, "--devices", 2, "--steps", 10]
-
-
-def _killed(args: list, kill: str, out: Path) -> float:
-    """Run with ``--kill``; return how long the surviving rank took to exit after the kill."""
-    rank = kill.split(":")[0]
-    with pytest.raises(ScriptError, match=r"ranks \[.*\] failed"):
-        run_script([*args, "--kill", kill, "--out", out])
-    exited = time.time()
-    killed_log = out.with_name(f"{out.stem}.rank{rank}.log").read_text()
-    return exited - float(re.search(r"kill switch: SIGKILL at ([\d.]+)", killed_log).group(1))
-
-
-def test_rank_killed_mid_training_ends_the_job_and_last_resumes(tmp_path: Path) -> None:
-    folder = tmp_path / "checkpoints"
-    args = [*CRASH_RUN, "--checkpoint-dir", folder]
-    survivors_s = _killed(args, "1:step:6", tmp_path / "killed.pt")
-    print(f"survivors exited {survivors_s:.1f} s after the kill")
-    assert survivors_s < 60  # gloo sees the closed connection at once; the process-group timeout bounds the rest
-    resumed = run_script([*args, "--ckpt-path", "last", "--out", tmp_path / "resumed.pt"])
-    assert resumed["resumed_from"] == str(folder / "last.ckpt")
-    assert len(resumed["losses"]) == (10 - 4) * 2 and resumed["global_step"] == 10  # lost only steps 5 and 6
-
-
-def test_rank_killed_mid_save_leaves_no_checkpoint_that_looks_complete(tmp_path: Path) -> None:
-    folder = tmp_path / "checkpoints"
-    args = [*CRASH_RUN, "--checkpoint-dir", folder]
-    # Saves: step 4 -> epoch=0-step=4.ckpt, last.ckpt; step 8 -> epoch=1-step=8.ckpt, where rank 1 dies.
-    _killed(args, "1:save:3", tmp_path / "killed.pt")
-    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt.partial", "last.ckpt"]
-    assert not (folder / "epoch=1-step=8.ckpt.partial" / "meta.pt").exists()
-    resumed = run_script([*args, "--ckpt-path", "last", "--out", tmp_path / "resumed.pt"])
-    assert resumed["resumed_from"] == str(folder / "last.ckpt")
-    assert len(resumed["losses"]) == (10 - 4) * 2
-    # The resumed run saved again at step 8, over the debris of the crashed save.
-    assert (folder / "epoch=1-step=8.ckpt" / "meta.pt").is_file()
-    assert not (folder / "epoch=1-step=8.ckpt.partial").exists()
 
 
 # ------------------------------------------------------------------------------ tied weights, transposed layers

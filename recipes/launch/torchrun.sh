@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Run recipes/pretrain_gpt.py under torchrun so that the job recovers by itself when a process dies.
+#
+# When any process fails (killed, out of memory, a crash, a lost node), torchrun stops the others and starts all
+# of them again, up to MAX_RESTARTS times. Every attempt runs the same command, and the recipe resumes from the
+# newest complete checkpoint in <log-dir>/checkpoints (its default --ckpt-path last; checkpoints are written
+# every checkpoint.every_n_train_steps steps): a restart loses at most the steps since that checkpoint.
+#
+# Usage (from the repository root; arguments after the script go to the recipe):
+#   recipes/launch/torchrun.sh                                         # one node, 4 processes, the yaml layout
+#   NPROC_PER_NODE=2 recipes/launch/torchrun.sh --dp 2 --tp 1 --pp 1 --max-steps 100
+#   # two nodes: the same line on each, RDZV_ENDPOINT a host:port that every node reaches (the first node's)
+#   NNODES=2 RDZV_ENDPOINT=node0:29400 NPROC_PER_NODE=8 recipes/launch/torchrun.sh --accelerator gpu --tp 8
+#
+# Environment: NPROC_PER_NODE (4), NNODES (1), MAX_RESTARTS (3), RDZV_ENDPOINT (needed when NNODES > 1),
+# RDZV_ID (a name shared by the nodes of one job; default the SLURM job id, else "pretrain-gpt"), PYTHON (python).
+set -euo pipefail
+
+NPROC_PER_NODE=${NPROC_PER_NODE:-4}
+NNODES=${NNODES:-1}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+PYTHON=${PYTHON:-python}
+
+if [[ "$NNODES" == 1 ]]; then
+  # One node: torchrun starts its own rendezvous on a free local port.
+  rendezvous=(--standalone)
+else
+  : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port (reachable from every node) when NNODES > 1}"
+  # c10d rendezvous: the nodes meet at RDZV_ENDPOINT; after a failure the restarted nodes meet there again.
+  rendezvous=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-pretrain-gpt}}")
+fi
+
+# Several processes share a node's cores: one OpenMP thread each unless the caller chose otherwise.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS" "${rendezvous[@]}" \
+  recipes/pretrain_gpt.py --devices "$NPROC_PER_NODE" --num-nodes "$NNODES" --ckpt-path last "$@"

@@ -1,0 +1,61 @@
+"""Automatic restart: under ``torchrun --max-restarts 1`` a rank SIGKILLed mid-training takes the job down, torchrun
+starts every rank again, and the second attempt resumes from the last complete checkpoint (``ckpt_path="last"``)
+and trains exactly as a run resumed from that checkpoint without any crash."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tests.conftest import CHECKPOINTED_LAYERS
+from tests.helpers import REPO_ROOT, SCRIPT, free_port, launch_env, relative_difference, run_script
+
+pytestmark = pytest.mark.slow
+
+#: Two ranks, 10 steps of 4 per epoch: checkpoints at the epoch ends, steps 4 and 8 (and ModelCheckpoint's last.ckpt).
+RUN = ["--model", "gpt", "--layers", CHECKPOINTED_LAYERS, "--dp", 2, "--devices", 2, "--steps", 10]
+
+
+def run_torchrun(args: list, max_restarts: int, timeout_s: float = 600.0) -> tuple[subprocess.CompletedProcess, float]:
+    """``python -m torch.distributed.run`` over ``tests/equivalence.py args`` on 2 local ranks; returns the finished
+    process (output captured) and its wall seconds."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
+               str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+               str(SCRIPT), *map(str, args)]
+    start = time.perf_counter()
+    # LOGLEVEL=INFO: torchrun then says when it restarts the worker group.
+    done = subprocess.run(command, cwd=REPO_ROOT, env={**launch_env(), "LOGLEVEL": "INFO"}, capture_output=True,
+                          text=True, timeout=timeout_s)
+    return done, time.perf_counter() - start
+
+
+def test_killed_rank_restarts_the_job_which_resumes_from_the_last_checkpoint_and_trains_the_same(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "checkpoints"
+    # Rank 1 dies when step 6 starts on the first attempt only; every attempt asks for ckpt_path="last".
+    done, seconds = run_torchrun([*RUN, "--checkpoint-dir", folder, "--ckpt-path", "last", "--kill", "1:step:6",
+                                  "--out", tmp_path / "restarted.pt"], max_restarts=1)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    print(f"torchrun with one restart: {seconds:.1f} s")
+    assert output.count("kill switch: SIGKILL") == 1
+    assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in output
+
+    import torch
+
+    restarted = torch.load(tmp_path / "restarted.pt", weights_only=False)
+    assert restarted["restart_count"] == 1  # the result is the second attempt's
+    assert restarted["resumed_from"] == str(folder / "last.ckpt") and restarted["start_step"] == 4
+    assert restarted["global_step"] == 10 and len(restarted["losses"]) == (10 - 4) * 2
+
+    # The same checkpoint resumed in a run that never crashed: the same losses and parameters, bit for bit.
+    uninterrupted = run_script([*RUN, "--ckpt-path", folder / "epoch=0-step=4.ckpt", "--out", tmp_path / "ref.pt"])
+    assert uninterrupted["start_step"] == 4
+    assert restarted["losses"] == uninterrupted["losses"]
+    assert restarted["params"].keys() == uninterrupted["params"].keys()
+    assert max(relative_difference(restarted["params"][name], uninterrupted["params"][name])
+               for name in restarted["params"]) == 0.0
