@@ -320,29 +320,31 @@ class UserParallelModule(LMLightningModule):
 
 
 class KillAtStep(pl.Callback):
-    """SIGKILL this process when optimizer step ``step`` starts (a rank crashing mid-training)."""
+    """Send this process ``signum`` when optimizer step ``step`` starts (SIGKILL: a rank crashing mid-training;
+    SIGSTOP: a rank freezing)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.step:
-            _die()
+            _signal_self(self.signum)
 
 
-def _die() -> None:
-    print(f"kill switch: SIGKILL at {time.time():.3f}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+def _signal_self(signum: int) -> None:
+    switch = "stop" if signum == signal.SIGSTOP else "kill"
+    print(f"{switch} switch: {signal.Signals(signum).name} at {time.time():.3f}", flush=True)
+    os.kill(os.getpid(), signum)
 
 
-def kill_switch(spec: str) -> pl.Callback:
-    """The ``--kill RANK:WHERE:N`` callback for this rank (a no-op on the others)."""
+def kill_switch(spec: str, signum: int = signal.SIGKILL) -> pl.Callback:
+    """The ``--kill RANK:WHERE:N`` (or, with SIGSTOP, ``--stop``) callback for this rank (a no-op on the others)."""
     rank, where, count = spec.split(":")
     if int(os.environ.get("RANK", 0)) != int(rank):
         return pl.Callback()
     if where == "step":
-        return KillAtStep(int(count))
-    # Die when the N-th checkpoint save starts on this rank, while the other ranks are writing theirs.
+        return KillAtStep(int(count), signum)
+    # Signalled when the N-th checkpoint save starts on this rank, while the other ranks are writing theirs.
     import lightning_hybrid.checkpoint.lightning_io as strategy_module
 
     original, calls = strategy_module.save_sharded, [0]
@@ -350,7 +352,7 @@ def kill_switch(spec: str) -> pl.Callback:
     def save_sharded(*save_args: Any, **save_kwargs: Any) -> None:
         calls[0] += 1
         if calls[0] == int(count):
-            _die()
+            _signal_self(signum)
         original(*save_args, **save_kwargs)
 
     strategy_module.save_sharded = save_sharded
@@ -421,6 +423,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kill", metavar="RANK:WHERE:N",
                         help="SIGKILL rank RANK at the start of optimizer step N (WHERE=step) or when it starts its"
                              " N-th checkpoint save (WHERE=save), to test crash handling")
+    parser.add_argument("--stop", metavar="RANK:WHERE:N", help="like --kill with SIGSTOP: a rank that freezes")
     parser.add_argument("--monitor", action="store_true",
                         help="add ModelCheckpoint(monitor='val_loss') and EarlyStopping; record each rank's decisions")
     parser.add_argument("--user-parallel", action="store_true",
@@ -553,6 +556,8 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
         )
     if args.kill:
         callbacks.append(kill_switch(args.kill))
+    if args.stop:
+        callbacks.append(kill_switch(args.stop, signal.SIGSTOP))
     if args.monitor:
         # Any positive val_loss counts as diverged: stop at the first validation, on every rank or none.
         callbacks += [ModelCheckpoint(dirpath=args.out.parent / "best", monitor="val_loss", save_top_k=1),
