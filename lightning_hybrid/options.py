@@ -32,6 +32,8 @@ Degree = Union[int, Literal["auto"]]
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 #: ZeRO levels FSDP2 offers (see :mod:`lightning_hybrid.parallel.sharding`).
 ZERO_LEVELS = (2, 3)
+#: The watchdog's default bound in seconds (see :mod:`lightning_hybrid.resilience.watchdog`).
+DEFAULT_WATCHDOG_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,10 @@ class HybridOptions:
             "max-autotune-no-cudagraphs"}``); blocks the LightningModule compiled itself are left as they are. Each
             block class compiles at its first call, the first training step. See
             :mod:`lightning_hybrid.parallel.compile`.
+        watchdog_timeout: Seconds a rank may go without a heartbeat, or the job without a finished batch, before
+            every rank is ended with one message naming the rank(s) that stopped (default 180; ×5 for a first
+            batch or a checkpoint save); ``None`` or 0 turns the watchdog off. See
+            :mod:`lightning_hybrid.resilience.watchdog`.
     """
 
     dp: Degree = AUTO
@@ -118,6 +124,7 @@ class HybridOptions:
     weights: Optional[Union[str, os.PathLike]] = None
     reduce_dtype: Optional[str] = None
     compile: Compile = False
+    watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
@@ -140,6 +147,7 @@ class HybridOptions:
         if not isinstance(self.offload, bool):
             raise ValueError(f"HybridStrategy(offload={self.offload!r}) is invalid: pass True (CPU offload) or False.")
         self._set("reduce_dtype", _checked_reduce_dtype(self.reduce_dtype))
+        self._set("watchdog_timeout", _checked_watchdog_timeout(self.watchdog_timeout))
         if not isinstance(self.shard_vocab, bool):
             raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
                              " embedding and head over the vocabulary under tp) or False (keep them whole).")
@@ -266,6 +274,14 @@ def _checked_reduce_dtype(value: object) -> Optional[str]:
         raise ValueError(f"HybridStrategy(reduce_dtype={value!r}) is not a gradient reduction dtype: pass 'bf16'"
                          " (half the gradient traffic) or 'fp32' (the default).")
     return names[name]
+
+
+def _checked_watchdog_timeout(value: object) -> Optional[float]:
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    check_positive("HybridStrategy", "watchdog_timeout", value, integer=False,
+                   also=" of seconds (default 180), or None / 0 to turn the watchdog off")
+    return float(value)  # type: ignore[arg-type]
 
 
 def default_zero_level(pipelined: bool) -> int:

@@ -38,7 +38,7 @@ from lightning_hybrid.first_step import run_first_step
 from lightning_hybrid.mesh import ParallelDims, lightning_view
 from lightning_hybrid.metrics import sync_over
 from lightning_hybrid.observe.monitor import ParallelMonitor, add_monitor
-from lightning_hybrid.options import Degree, HybridOptions
+from lightning_hybrid.options import DEFAULT_WATCHDOG_TIMEOUT_S, Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
 from lightning_hybrid.parallel.blocks import capture_block_call
 from lightning_hybrid.parallel.parallelize import accept_user_parallelism, find_blocks, parallelize, recording_construction
@@ -51,6 +51,7 @@ from lightning_hybrid.plan.auto_layout import choose_for_run
 from lightning_hybrid.plan.hardware import Cluster
 from lightning_hybrid.plan.layout import Estimate
 from lightning_hybrid.resilience.lost_rank import explain_lost_rank
+from lightning_hybrid.resilience.watchdog import add_watchdog
 from lightning_hybrid.steps import RootStepRouter, free_stale_gradients
 
 
@@ -72,7 +73,7 @@ class HybridStrategy(ModelParallelStrategy):
     Arguments:
         dp, tp, pp, dp_replicate, zero, tp_plan, shard_vocab, blocks, pp_schedule, microbatches, virtual_stages,
         pp_split, activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights,
-        compile, reduce_dtype: the parallelism, validated at construction into :attr:`options`; each is documented at
+        compile, reduce_dtype, watchdog_timeout: validated at construction into :attr:`options`; each is documented at
             :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
             ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
             (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
@@ -108,8 +109,8 @@ class HybridStrategy(ModelParallelStrategy):
         monitor: Union[bool, ParallelMonitor] = True,
         cluster: Optional[Cluster] = None,
         weights: Optional[Union[str, PathLike]] = None,
-        reduce_dtype: Optional[str] = None,
-        compile: Union[bool, Mapping[str, Any]] = False,
+        reduce_dtype: Optional[str] = None, compile: Union[bool, Mapping[str, Any]] = False,
+        watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -119,7 +120,8 @@ class HybridStrategy(ModelParallelStrategy):
             shard_vocab=shard_vocab, blocks=blocks, pp_schedule=pp_schedule, microbatches=microbatches,
             virtual_stages=virtual_stages, pp_split=pp_split, activation_checkpointing=activation_checkpointing,
             offload=offload, verify_tp_plan=verify_tp_plan, save_distributed_checkpoint=save_distributed_checkpoint,
-            cluster=cluster, weights=weights, compile=compile, reduce_dtype=reduce_dtype)
+            cluster=cluster, weights=weights, compile=compile, reduce_dtype=reduce_dtype,
+            watchdog_timeout=watchdog_timeout)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor
@@ -204,6 +206,7 @@ class HybridStrategy(ModelParallelStrategy):
         if not any(isinstance(callback, CheckpointRecords) for callback in trainer.callbacks):
             trainer.callbacks.append(CheckpointRecords())
         add_monitor(trainer, self._monitor)
+        add_watchdog(trainer, self.options.watchdog_timeout)
         read_mesh = model_parallel.stop_watching(self._module_mesh)
         if self._parallelized is self.model:  # a later trainer.test()/predict() reuses the module fit left
             _compat.publish_device_mesh(self, self.lightning_module, self.device_mesh)
@@ -332,6 +335,7 @@ class HybridStrategy(ModelParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:  # a rank that died, told plainly to the survivors
         explain_lost_rank(exception, self.lightning_module, self.global_rank)
+
     # ------------------------------------------------------------------------------------------- collectives
     @override
     def reduce(

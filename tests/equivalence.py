@@ -324,42 +324,43 @@ class UserParallelModule(LMLightningModule):
 
 
 class KillAt(pl.Callback):
-    """SIGKILL this process at optimizer step ``step`` (``global_step`` when it starts), a rank crashing there:
-    when the step's first batch starts (``where="step"``), inside its first forward (``"forward"``: when the
-    model's last ``nn.Linear`` is called) or inside ``optimizer.step`` after the backward, before clipping and the
-    update (``"optimizer"``)."""
+    """Send this process ``signum`` at optimizer step ``step`` (``global_step`` when it starts; SIGKILL: a rank
+    crashing there, SIGSTOP: a rank freezing): when the step's first batch starts (``where="step"``), inside its
+    first forward (``"forward"``: when the model's last ``nn.Linear`` is called) or inside ``optimizer.step`` after
+    the backward, before clipping and the update (``"optimizer"``)."""
 
-    def __init__(self, where: str, step: int) -> None:
-        self.where, self.step = where, step
+    def __init__(self, where: str, step: int, signum: int) -> None:
+        self.where, self.step, self.signum = where, step, signum
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step != self.step:
             return
         if self.where == "step":
-            _die()
+            _signal_self(self.signum)
         if self.where == "forward":
             last_linear = [m for m in pl_module.modules() if isinstance(m, torch.nn.Linear)][-1]
-            last_linear.register_forward_pre_hook(lambda *_: _die())
+            last_linear.register_forward_pre_hook(lambda *_: _signal_self(self.signum))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.where == "optimizer" and trainer.global_step == self.step:
-            _die()
+            _signal_self(self.signum)
 
 
-def _die() -> None:
-    print(f"kill switch: SIGKILL at {time.time():.3f}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+def _signal_self(signum: int) -> None:
+    switch = "stop" if signum == signal.SIGSTOP else "kill"
+    print(f"{switch} switch: {signal.Signals(signum).name} at {time.time():.3f}", flush=True)
+    os.kill(os.getpid(), signum)
 
 
-def kill_switch(spec: str) -> pl.Callback:
-    """The ``--kill RANK:WHERE:N`` callback for this rank (a no-op on the others, and on attempts after the first
-    under ``torchrun --max-restarts``, so the restarted job runs to the end)."""
+def kill_switch(spec: str, signum: int = signal.SIGKILL) -> pl.Callback:
+    """The ``--kill RANK:WHERE:N`` (or, with SIGSTOP, ``--stop``) callback for this rank (a no-op on the others, and
+    on attempts after the first under ``torchrun --max-restarts``, so the restarted job runs to the end)."""
     rank, where, count = spec.split(":")
     if int(os.environ.get("RANK", 0)) != int(rank) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         return pl.Callback()
     if where != "save":
-        return KillAt(where, int(count))
-    # Die when the N-th checkpoint save starts on this rank, while the other ranks are writing theirs.
+        return KillAt(where, int(count), signum)
+    # Signalled when the N-th checkpoint save starts on this rank, while the other ranks are writing theirs.
     import lightning_hybrid.checkpoint.lightning_io as strategy_module
 
     original, calls = strategy_module.save_sharded, [0]
@@ -367,7 +368,7 @@ def kill_switch(spec: str) -> pl.Callback:
     def save_sharded(*save_args: Any, **save_kwargs: Any) -> None:
         calls[0] += 1
         if calls[0] == int(count):
-            _die()
+            _signal_self(signum)
         original(*save_args, **save_kwargs)
 
     strategy_module.save_sharded = save_sharded
@@ -439,6 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="SIGKILL rank RANK at optimizer step N: when it starts (WHERE=step), in its forward"
                              " (forward), in optimizer.step (optimizer); or when it starts its N-th checkpoint save"
                              " (save). First attempt only under torchrun. To test crash handling")
+    parser.add_argument("--stop", metavar="RANK:WHERE:N", help="like --kill with SIGSTOP: a rank that freezes")
     parser.add_argument("--monitor", action="store_true",
                         help="add ModelCheckpoint(monitor='val_loss') and EarlyStopping; record each rank's decisions")
     parser.add_argument("--user-parallel", action="store_true",
@@ -571,6 +573,8 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
         )
     if args.kill:
         callbacks.append(kill_switch(args.kill))
+    if args.stop:
+        callbacks.append(kill_switch(args.stop, signal.SIGSTOP))
     if args.monitor:
         # Any positive val_loss counts as diverged: stop at the first validation, on every rank or none.
         callbacks += [ModelCheckpoint(dirpath=args.out.parent / "best", monitor="val_loss", save_top_k=1),

@@ -87,23 +87,11 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Pa
         raise ValueError("run_script needs --out PATH among the arguments")
     out = Path(args[args.index("--out") + 1])
     expected = [sweep_out(out, index) for index in range(outputs)] if outputs else [out]
-    devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
-    env = launch_env()
-    if devices > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(devices), NODE_RANK="0")
-    command = [sys.executable, str(script), *args]
     for path in expected:
         path.unlink(missing_ok=True)  # never load a stale result from an earlier run
-    out.parent.mkdir(parents=True, exist_ok=True)
-    logs = [out.with_name(f"{out.stem}.rank{rank}.log") for rank in range(devices)]
     start = time.perf_counter()
-    procs = []
-    for rank, log in enumerate(logs):
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if devices > 1 else env
-        with open(log, "w") as stream:
-            # Each rank leads its own process group, so a timeout can end it with anything it started.
-            procs.append(subprocess.Popen(command, cwd=REPO_ROOT, env=rank_env, stdout=stream,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+    procs, logs = start_ranks(args, out, script)
+    command = " ".join(procs[0].args)
     deadline = time.monotonic() + nprocs_timeout
     try:
         for proc in procs:
@@ -113,12 +101,32 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Pa
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        raise ScriptError(f"timed out after {nprocs_timeout:.0f}s: {' '.join(command)}\n{_tails(logs)}") from None
+        raise ScriptError(f"timed out after {nprocs_timeout:.0f}s: {command}\n{_tails(logs)}") from None
     run_s = time.perf_counter() - start
     failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
     if failed or not all(path.exists() for path in expected):
-        raise ScriptError(f"ranks {failed} failed after {run_s:.1f}s: {' '.join(command)}\n{_tails(logs)}")
+        raise ScriptError(f"ranks {failed} failed after {run_s:.1f}s: {command}\n{_tails(logs)}")
     return out, run_s
+
+
+def start_ranks(args: list[str], out: Path, script: Path = SCRIPT) -> tuple[list[subprocess.Popen], list[Path]]:
+    """Start every rank (``--devices``) of ``script args`` (default ``equivalence.py``) without waiting; rank ``r`` writes its output to
+    ``<out stem>.rank<r>.log`` beside ``out`` and leads its own process group (``os.killpg`` ends it)."""
+    devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
+    env = launch_env()
+    if devices > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(devices), NODE_RANK="0")
+    command = [sys.executable, str(script), *args]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logs = [out.with_name(f"{out.stem}.rank{rank}.log") for rank in range(devices)]
+    procs = []
+    for rank, log in enumerate(logs):
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if devices > 1 else env
+        with open(log, "w") as stream:
+            # Each rank leads its own process group, so a timeout can end it with anything it started.
+            procs.append(subprocess.Popen(command, cwd=REPO_ROOT, env=rank_env, stdout=stream,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    return procs, logs
 
 
 def launch_env() -> dict[str, str]:
