@@ -96,6 +96,11 @@ class HybridOptions:
             "max-autotune-no-cudagraphs"}``); blocks the LightningModule compiled itself are left as they are. Each
             block class compiles at its first call, the first training step. See
             :mod:`lightning_hybrid.parallel.compile`.
+        loss_parallel: With tp > 1 and the head sharded over the vocabulary (``shard_vocab``), keep the head's
+            logits a DTensor sharded over the vocabulary instead of all-gathering them, and run each step and its
+            backward inside torch's ``loss_parallel()``, which computes ``F.cross_entropy`` from the shards. Values
+            the step returns or logs are handed to Lightning as plain tensors; any other operation on the logits
+            receives the sharded DTensor. Not with pp > 1. See :mod:`lightning_hybrid.parallel.loss_parallel`.
     """
 
     dp: Degree = AUTO
@@ -118,6 +123,7 @@ class HybridOptions:
     weights: Optional[Union[str, os.PathLike]] = None
     reduce_dtype: Optional[str] = None
     compile: Compile = False
+    loss_parallel: bool = False
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
@@ -143,6 +149,7 @@ class HybridOptions:
         if not isinstance(self.shard_vocab, bool):
             raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
                              " embedding and head over the vocabulary under tp) or False (keep them whole).")
+        _check_loss_parallel(self.loss_parallel, self.tp, self.pp, self.shard_vocab)
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
             raise ValueError(f"HybridStrategy(weights={self.weights!r}) must be the path of a Hugging Face checkpoint"
                              " directory.")
@@ -255,6 +262,29 @@ def _check_pipeline_may_be_chosen(pp_split: Optional[Sequence[int]], save_distri
     if not save_distributed_checkpoint:
         raise ValueError(_CONSOLIDATED_WITH_PIPELINE.replace("pp > 1", "pp='auto'", 1)
                          + " (pp='auto' may choose a pipeline.)")
+
+
+def _check_loss_parallel(loss_parallel: object, tp: Degree, pp: Degree, shard_vocab: bool) -> None:
+    """Refuse ``loss_parallel=True`` where no head can be sharded over the vocabulary (with ``tp="auto"`` that is
+    known at setup: :func:`lightning_hybrid.parallel.loss_parallel.require_sharded_head`)."""
+    if not isinstance(loss_parallel, bool):
+        raise ValueError(f"HybridStrategy(loss_parallel={loss_parallel!r}) is invalid: pass True (the loss computed"
+                         " from logits sharded over the vocabulary) or False (logits gathered, the default).")
+    if not loss_parallel:
+        return
+    if tp == 1:
+        raise ValueError("HybridStrategy(loss_parallel=True) computes the loss from logits sharded over the"
+                         " tensor-parallel ranks, but tp=1 shards nothing: pass tp=N (N > 1) or drop loss_parallel.")
+    if not shard_vocab:
+        raise ValueError("HybridStrategy(loss_parallel=True, shard_vocab=False): with shard_vocab=False the head stays"
+                         " whole, so its logits are not sharded over the vocabulary. Pass shard_vocab=True or drop"
+                         " loss_parallel.")
+    if pp != 1:
+        # Under a pipeline the loss is computed on the last stage inside torch's schedule, where this strategy's
+        # step context does not reach, and its output is sent between ranks as a plain tensor.
+        raise ValueError(f"HybridStrategy(loss_parallel=True, pp={pp!r}) is not supported: with a pipeline the loss"
+                         " is computed on the last stage inside the pipeline schedule. Drop loss_parallel (the"
+                         " logits are then gathered) or use pp=1.")
 
 
 def _checked_reduce_dtype(value: object) -> Optional[str]:
