@@ -5,6 +5,9 @@ micro-batch); with ``loss_parallel=True`` they stay sharded and torch's ``loss_p
 per token instead. This script trains ``tests/equivalence.py``'s GPT at tp2 (2 CPU processes) once per setting, in
 one launch, and reads the strategy's monitor from TensorBoard (``comm/bytes_per_batch/*``: the busiest rank's bytes
 of the measured batch; ``throughput/step_time_sec``; ``memory/peak_gib_max``, on CPU the peak resident memory).
+The monitor sees the collectives the parallel styles issue around a module (the head's all-gather, the row-wise
+layers' all-reduces) but not those DTensor issues inside an operator's handler, under its dispatch mode: the
+``all_reduce`` column does not include ``loss_parallel()``'s (about three of batch × sequence values per forward).
 
 Usage::
 

@@ -146,7 +146,7 @@ def test_the_loss_of_sharded_logits_backpropagates_and_is_logged_plain() -> None
     assert results["logged"] == [("train_loss", True, loss), ("val_loss", True, loss)]
     # argmax over the sharded vocabulary works (DTensor gathers it); comparing with plain targets does not.
     assert "got mixed torch.Tensor and DTensor" in results["accuracy_error"]
-    assert "loss_parallel=True keeps the logits a DTensor sharded over the vocabulary" in results["accuracy_error"]
+    assert "loss_parallel=True) keeps the logits a DTensor sharded over the vocabulary" in results["accuracy_error"]
 
 
 @pytest.mark.slow
