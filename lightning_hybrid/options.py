@@ -102,6 +102,11 @@ class HybridOptions:
             every rank is ended with one message naming the rank(s) that stopped (default 180; ×5 for a first
             batch or a checkpoint save); ``None`` or 0 turns the watchdog off. See
             :mod:`lightning_hybrid.resilience.watchdog`.
+        loss_parallel: With tp > 1 and the head sharded over the vocabulary (``shard_vocab``), keep the head's
+            logits a DTensor sharded over the vocabulary instead of all-gathering them, and run each step and its
+            backward inside torch's ``loss_parallel()``, which computes ``F.cross_entropy`` from the shards. Values
+            the step returns or logs are handed to Lightning as plain tensors; any other operation on the logits
+            receives the sharded DTensor. Not with pp > 1. See :mod:`lightning_hybrid.parallel.loss_parallel`.
     """
 
     dp: Degree = AUTO
@@ -125,6 +130,7 @@ class HybridOptions:
     reduce_dtype: Optional[str] = None
     compile: Compile = False
     watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S
+    loss_parallel: bool = False
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
@@ -151,6 +157,7 @@ class HybridOptions:
         if not isinstance(self.shard_vocab, bool):
             raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
                              " embedding and head over the vocabulary under tp) or False (keep them whole).")
+        _check_loss_parallel(self.loss_parallel, self.tp, self.pp, self.shard_vocab)
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
             raise ValueError(f"HybridStrategy(weights={self.weights!r}) must be the path of a Hugging Face checkpoint"
                              " directory.")
@@ -263,6 +270,29 @@ def _check_pipeline_may_be_chosen(pp_split: Optional[Sequence[int]], save_distri
     if not save_distributed_checkpoint:
         raise ValueError(_CONSOLIDATED_WITH_PIPELINE.replace("pp > 1", "pp='auto'", 1)
                          + " (pp='auto' may choose a pipeline.)")
+
+
+def _check_loss_parallel(loss_parallel: object, tp: Degree, pp: Degree, shard_vocab: bool) -> None:
+    """Refuse ``loss_parallel=True`` where no head can be sharded over the vocabulary (with ``tp="auto"`` that is
+    known at setup: :func:`lightning_hybrid.parallel.loss_parallel.require_sharded_head`)."""
+    if not isinstance(loss_parallel, bool):
+        raise ValueError(f"HybridStrategy(loss_parallel={loss_parallel!r}) is invalid: pass True (the loss computed"
+                         " from logits sharded over the vocabulary) or False (logits gathered, the default).")
+    if not loss_parallel:
+        return
+    if tp == 1:
+        raise ValueError("HybridStrategy(loss_parallel=True) computes the loss from logits sharded over the"
+                         " tensor-parallel ranks, but tp=1 shards nothing: pass tp=N (N > 1) or drop loss_parallel.")
+    if not shard_vocab:
+        raise ValueError("HybridStrategy(loss_parallel=True, shard_vocab=False): with shard_vocab=False the head stays"
+                         " whole, so its logits are not sharded over the vocabulary. Pass shard_vocab=True or drop"
+                         " loss_parallel.")
+    if pp != 1:
+        # Under a pipeline the loss is computed on the last stage inside torch's schedule, where this strategy's
+        # step context does not reach, and its output is sent between ranks as a plain tensor.
+        raise ValueError(f"HybridStrategy(loss_parallel=True, pp={pp!r}) is not supported: with a pipeline the loss"
+                         " is computed on the last stage inside the pipeline schedule. Drop loss_parallel (the"
+                         " logits are then gathered) or use pp=1.")
 
 
 def _checked_reduce_dtype(value: object) -> Optional[str]:

@@ -41,6 +41,7 @@ from lightning_hybrid.observe.monitor import ParallelMonitor, add_monitor
 from lightning_hybrid.options import DEFAULT_WATCHDOG_TIMEOUT_S, Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
 from lightning_hybrid.parallel.blocks import capture_block_call
+from lightning_hybrid.parallel.loss_parallel import sharded_logits
 from lightning_hybrid.parallel.parallelize import accept_user_parallelism, find_blocks, parallelize, recording_construction
 from lightning_hybrid.parallel.precision import HybridPrecision, let_standalone_trainer_reach_precision, serving_plugin
 from lightning_hybrid.parallel.sharding import buffers_to_device
@@ -73,9 +74,9 @@ class HybridStrategy(ModelParallelStrategy):
     Arguments:
         dp, tp, pp, dp_replicate, zero, tp_plan, shard_vocab, blocks, pp_schedule, microbatches, virtual_stages,
         pp_split, activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights,
-        compile, reduce_dtype, watchdog_timeout: validated at construction into :attr:`options`; each is documented at
-            :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
-            ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
+        compile, reduce_dtype, loss_parallel, watchdog_timeout: validated at construction into :attr:`options`;
+            each is documented at :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may
+            be ``"auto"``: ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
             (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
             module that parallelizes itself they mean what they mean to ``ModelParallelStrategy``.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
@@ -110,7 +111,7 @@ class HybridStrategy(ModelParallelStrategy):
         cluster: Optional[Cluster] = None,
         weights: Optional[Union[str, PathLike]] = None,
         reduce_dtype: Optional[str] = None, compile: Union[bool, Mapping[str, Any]] = False,
-        watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+        loss_parallel: bool = False, watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -120,7 +121,7 @@ class HybridStrategy(ModelParallelStrategy):
             shard_vocab=shard_vocab, blocks=blocks, pp_schedule=pp_schedule, microbatches=microbatches,
             virtual_stages=virtual_stages, pp_split=pp_split, activation_checkpointing=activation_checkpointing,
             offload=offload, verify_tp_plan=verify_tp_plan, save_distributed_checkpoint=save_distributed_checkpoint,
-            cluster=cluster, weights=weights, compile=compile, reduce_dtype=reduce_dtype,
+            cluster=cluster, weights=weights, compile=compile, reduce_dtype=reduce_dtype, loss_parallel=loss_parallel,
             watchdog_timeout=watchdog_timeout)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
@@ -292,14 +293,16 @@ class HybridStrategy(ModelParallelStrategy):
         assert module is not None
         if self.pipeline is not None:
             return self.pipeline.run_step(method, *args, **kwargs)
-        if isinstance(module, FSDPModule):
-            return self._root_router.run(self, module, method, *args, **kwargs)
-        return getattr(module, method)(*args, **kwargs)
+        with sharded_logits(module, self.options.loss_parallel) as plain:  # loss_parallel=True: logits stay sharded
+            if isinstance(module, FSDPModule):
+                return plain(self._root_router.run(self, module, method, *args, **kwargs))
+            return plain(getattr(module, method)(*args, **kwargs))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with sharded_logits(self.lightning_module, self.options.loss_parallel):  # the loss's backward too
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran every microbatch's backward inside training_step; Lightning's zero_grad came
         # after that, so the step's gradients are added now, where loss.backward() would have put them.
         assert self.lightning_module is not None

@@ -46,11 +46,14 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> ReferenceFn:
 
 
 #: Layouts × strategy options of :func:`meta_init_runs`: a meta-device GPT (4 blocks) materialized by the strategy,
-#: with activation checkpointing modes and CPU offload, under tensor × data and tensor × pipeline parallelism.
+#: with activation checkpointing modes and CPU offload, under tensor × data and tensor × pipeline parallelism (and,
+#: with the first dp2 × tp2 entry, ``loss_parallel``).
 META_INIT_LAYOUTS: dict[str, tuple[list[str | int], list[dict[str, Any]]]] = {
     "dp2_tp2": (
         ["--dp", 2, "--tp", 2, "--devices", 4],
-        [{"activation_checkpointing": "every"}, {"offload": True, "activation_checkpointing": "selective"}],
+        # loss_parallel rides on the first entry: dp2 x tp2 equivalence of the sharded-logits loss, no extra fit.
+        [{"activation_checkpointing": "every", "loss_parallel": True},
+         {"offload": True, "activation_checkpointing": "selective"}],
     ),
     "tp2_pp2": (
         ["--tp", 2, "--pp", 2, "--devices", 4],

@@ -433,6 +433,8 @@ class LMLightningModule(pl.LightningModule):
         compile_blocks: The module compiles its blocks itself (``block.compile()`` on each, as built): the compiled
             single-device reference of ``HybridStrategy(compile=True)``, and a module the strategy must not
             compile twice.
+        sync_loss: ``False`` logs ``train_loss`` without ``sync_dist`` (each rank's own value: the global one without
+            data parallelism), the other path through Lightning's result collection.
     """
 
     def __init__(
@@ -448,6 +450,7 @@ class LMLightningModule(pl.LightningModule):
         log_metrics: bool = False,
         pretrained: str | None = None,
         compile_blocks: bool = False,
+        sync_loss: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -510,7 +513,7 @@ class LMLightningModule(pl.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch, getattr(self, "train_acc", None), "train_acc")
-        self.log("train_loss", loss, sync_dist=True, on_step=True)
+        self.log("train_loss", loss, sync_dist=self.hparams.sync_loss, on_step=True)
         # A summed metric: over data-parallel ranks it must add up to the global batch, whatever tp/pp are.
         self.log("tokens", float(batch[1].numel()), sync_dist=True, on_step=True, reduce_fx="sum")
         return loss

@@ -53,6 +53,13 @@ TIED = {"tied", "hf_gpt2", "hf_qwen2", "hf_bert"}
 WITH_METRICS = {"titan"}
 
 
+#: Layout → extra entries of its launch, by name: a family trained with a strategy option (no launch of its own).
+#: ``loss_parallel``: the tied head's logits stay sharded; ``train_loss`` is logged without sync_dist on this entry.
+OPTION_ENTRIES: dict[str, dict[str, dict]] = {
+    "tp2": {"hf_qwen2 loss_parallel": {"model": "hf_qwen2", "loss_parallel": True, "module": {"sync_loss": False}}},
+}
+
+
 def _entry(model: str) -> dict:
     return {"model": model, **({"module": {"log_metrics": True}} if model in WITH_METRICS else {})}
 
@@ -80,10 +87,12 @@ def zoo_runs(tmp_path_factory: pytest.TempPathFactory):
 
     def run(layout: str, folder: Path) -> dict[str, dict]:
         models = _models_under(layout)
+        options = OPTION_ENTRIES.get(layout, {})
         # All families in one launch: up to 8 ranks on 2 cores training a dozen models takes minutes.
-        results = run_sweep([*LAYOUTS[layout][0], "--out", folder / "run.pt"], [_entry(model) for model in models],
+        results = run_sweep([*LAYOUTS[layout][0], "--out", folder / "run.pt"],
+                            [_entry(model) for model in models] + list(options.values()),
                             nprocs_timeout=ZOO_LAUNCH_TIMEOUT_S)
-        return dict(zip(models, results))
+        return dict(zip(models + list(options), results))
 
     return cached_runs(run, tmp_path_factory, "zoo")
 
@@ -118,6 +127,16 @@ def test_zoo_embedding_and_head_are_sharded_over_the_vocabulary(model: str, layo
         local, full = shapes[f"{name}.weight"]
         assert full[0] == VOCAB and local[0] * shards == VOCAB, (name, local, full)
     assert ("tied" in next(iter(vocab_styles.values()))) == (model in TIED)
+
+
+@pytest.mark.slow
+def test_loss_parallel_keeps_the_logits_sharded_and_trains_like_single_device(zoo_references, zoo_runs) -> None:
+    """``loss_parallel=True`` at tp2 (tied Qwen2 head): the head's output stays sharded over the vocabulary and
+    training (losses logged without sync_dist, validation and test losses, every parameter) equals single-device
+    Lightning; dp2 × tp2 is in ``tests/parallel/test_initialization.py``."""
+    result = zoo_runs("tp2")["hf_qwen2 loss_parallel"]
+    assert result["tp_plan"]["model.lm_head"] == "colwise (vocab, logits sharded) tied"
+    assert_equivalent(zoo_references("1")["hf_qwen2"], result, rtol=RTOL)
 
 
 def test_data_parallelism_alone_needs_no_block_list() -> None:

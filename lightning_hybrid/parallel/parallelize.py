@@ -48,6 +48,7 @@ from lightning_hybrid.parallel.blocks import BlockList, capture_block_call, find
 from lightning_hybrid.parallel.compile import compile_blocks
 from lightning_hybrid.parallel.construction import recorded_values, recording_construction  # noqa: F401 (strategy's)
 from lightning_hybrid.parallel.initialization import materialize_meta_module
+from lightning_hybrid.parallel.loss_parallel import require_sharded_head
 from lightning_hybrid.parallel.sharding import FSDPOptions, apply_fsdp, mixed_precision_policy
 from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_hybrid.parallel.tp_vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
@@ -78,6 +79,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     owned = list(range(len(blocks)))
     compute_dtype = mixed_precision_policy(precision).param_dtype
     vocab = find_vocab(module, blocks, dims, options, run_step)  # on the unmodified model, before any step
+    require_sharded_head(options.loss_parallel, vocab)
     # 1. pipeline split
     if dims.pp > 1:
         assert options.pipeline_schedule is not None
@@ -91,7 +93,8 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
                                                tp_plan=options.tp_plan, verify=options.verify_tp_plan,
                                                apply_to=owned,
                                                capture=lambda block: capture_block_call(block, run_step))
-        result.tp_plan.update(shard_vocab_layers(module, vocab, mesh[TENSOR]) if vocab else {})
+        if vocab:
+            result.tp_plan.update(shard_vocab_layers(module, vocab, mesh[TENSOR], options.loss_parallel))
         rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={dims.tp}): {result.tp_plan}")
     # 3. activation checkpointing
     if options.checkpointing is not None:
@@ -262,14 +265,15 @@ def accept_user_parallelism(module: nn.Module, options: HybridOptions, device: t
             " parallelism). Use pp=1 with it, or leave parallelism to HybridStrategy: do not read"
             " self.device_mesh nor call fully_shard/parallelize_module there."
         )
-    if options.offload or options.checkpointing is not None or options.compile_arguments is not None:
+    if (options.offload or options.checkpointing is not None or options.compile_arguments is not None
+            or options.loss_parallel):
         raise ValueError(
-            "HybridStrategy(offload=, activation_checkpointing=, compile=) are applied while the strategy shards"
-            " the model, but the LightningModule parallelizes itself (its configure_model/setup read"
-            " self.device_mesh, or applied FSDP2/tensor parallelism). Either let the strategy parallelize (build"
-            " the model in configure_model without reading the mesh or calling fully_shard/parallelize_module)"
-            " or pass offload_policy=CPUOffloadPolicy() to your fully_shard calls and checkpoint (and compile)"
-            " your blocks there."
+            "HybridStrategy(offload=, activation_checkpointing=, compile=, loss_parallel=) are applied while the"
+            " strategy shards the model, but the LightningModule parallelizes itself (its configure_model/setup"
+            " read self.device_mesh, or applied FSDP2/tensor parallelism). Either let the strategy parallelize"
+            " (build the model in configure_model without reading the mesh or calling"
+            " fully_shard/parallelize_module) or pass offload_policy=CPUOffloadPolicy() to your fully_shard calls,"
+            " checkpoint (and compile) your blocks there, and compute your loss inside torch's loss_parallel()."
         )
     rank_zero_info("HybridStrategy: the LightningModule parallelizes itself; applying nothing more.")
     apply_materialization(module, device)

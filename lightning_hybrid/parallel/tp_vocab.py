@@ -7,7 +7,9 @@ on every tensor-parallel rank they make the first and last pipeline stages the m
 * the **embedding** row-wise over the vocabulary (torch's ``RowwiseParallel(input_layouts=Replicate())``): each
   rank looks up the tokens of its rows, zeros for the others, and the outputs are all-reduced;
 * the **head** column-wise (``ColwiseParallel(output_layouts=Replicate())``): each rank computes the logits of
-  its rows and they are all-gathered, so the user's unmodified loss still receives full, plain logits;
+  its rows and they are all-gathered, so the user's unmodified loss still receives full, plain logits; with
+  ``loss_parallel=True`` they stay a DTensor sharded over the vocabulary (``Shard(-1)``), for torch's
+  ``loss_parallel()`` (:mod:`lightning_hybrid.parallel.loss_parallel`);
 * a **tied** pair (the head's weight *is* the embedding's) keeps one weight: both styles shard it ``Shard(0)``, so
   one DTensor serves both modules, and every other module that held the old parameter (a bias tied to a masked-LM
   decoder's) is given the new one. Under pipeline parallelism a tied weight lives on the first and the last stage;
@@ -27,6 +29,7 @@ Example::
     layers = find_vocab_layers(module, blocks, run_step, tp=2, tp_plan={})
     layers.embedding, layers.head, layers.tied     # "model.tok_emb", "model.head", False
     shard_vocab_layers(module, layers, mesh["tp"])  # {"model.tok_emb": "rowwise (vocab)", "model.head": ...}
+    shard_vocab_layers(module, layers, mesh["tp"], keep_logits_sharded=True)  # head: "colwise (vocab, logits sharded)"
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any, Callable, Collection, Mapping, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_hybrid.parallel.blocks import BlockList
@@ -180,13 +183,18 @@ class _VocabWatch:
             self.read_outside.update(holders)
 
 
-def shard_vocab_layers(root: nn.Module, layers: VocabLayers, mesh: DeviceMesh) -> dict[str, str]:
-    """Shard ``layers``' head column-wise (logits gathered) and embedding row-wise over the vocabulary on the
-    tensor mesh, keeping tied parameters tied; returns ``{module name: style}`` for the applied plan."""
+def shard_vocab_layers(root: nn.Module, layers: VocabLayers, mesh: DeviceMesh,
+                       keep_logits_sharded: bool = False) -> dict[str, str]:
+    """Shard ``layers``' head column-wise (logits gathered, or with ``keep_logits_sharded`` a DTensor sharded on
+    their last dimension) and embedding row-wise over the vocabulary on the tensor mesh, keeping tied parameters
+    tied; returns ``{module name: style}`` for the applied plan."""
     applied: dict[str, str] = {}
     if layers.head is not None:  # first: a tied embedding then finds its weight already Shard(0)
-        _parallelize_keeping_ties(root, layers.head, mesh, ColwiseParallel(output_layouts=Replicate()))
-        applied[layers.head] = "colwise (vocab, logits gathered)" + (" tied" if layers.tied else "")
+        head_style = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if keep_logits_sharded
+                      else ColwiseParallel(output_layouts=Replicate()))
+        _parallelize_keeping_ties(root, layers.head, mesh, head_style)
+        logits = "sharded" if keep_logits_sharded else "gathered"
+        applied[layers.head] = f"colwise (vocab, logits {logits})" + (" tied" if layers.tied else "")
     if layers.embedding is not None:
         _parallelize_keeping_ties(root, layers.embedding, mesh, RowwiseParallel(input_layouts=Replicate()))
         applied[layers.embedding] = "rowwise (vocab)" + (" tied" if layers.tied else "")
