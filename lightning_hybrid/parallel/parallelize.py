@@ -120,10 +120,6 @@ def find_vocab(module: nn.Module, blocks: BlockList, dims: ParallelDims, options
     if dims.tp == 1 or not options.shard_vocab:
         return None
     layers = find_vocab_layers(module, blocks, run_step, dims.tp, options.tp_plan)
-    if layers.tied and dims.pp > 1:
-        # The pair is held on the first and the last stage; there the module of the other stage is held for the
-        # weight alone, and a sharded copy's collectives did not line up over the tp ranks (tied zoo models).
-        layers = VocabLayers(reason="a tied embedding/head is held on two pipeline stages")
     if layers.reason:
         kept = "the head" if layers.embedding else "the embedding and the head"
         rank_zero_info(f"HybridStrategy: {kept} stay whole over tp (shard_vocab): {layers.reason}.")

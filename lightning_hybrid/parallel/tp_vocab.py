@@ -12,9 +12,10 @@ on every tensor-parallel rank they make the first and last pipeline stages the m
   ``loss_parallel()`` (:mod:`lightning_hybrid.parallel.loss_parallel`);
 * a **tied** pair (the head's weight *is* the embedding's) keeps one weight: both styles shard it ``Shard(0)``, so
   one DTensor serves both modules, and every other module that held the old parameter (a bias tied to a masked-LM
-  decoder's) is given the new one. Under pipeline parallelism a tied weight lives on the first and the last stage;
-  with pp > 1 it stays whole for now (:func:`lightning_hybrid.parallel.parallelize.find_vocab`): sharded, the
-  collectives of the copies held on both stages did not line up.
+  decoder's) is given the new one. Under pipeline parallelism a tied weight lives on the first and the last stage,
+  each holding the same shard; the sum of their gradients (:mod:`lightning_hybrid.pipeline.shared`) first lays the
+  embedding's out like the weight (DTensor's embedding backward gives it ``Replicate()``, the head's is
+  ``Shard(0)``).
 
 Which modules: :func:`find_vocab_layers` runs the user's step once (gradients off; on the meta device for a
 meta-device model) and records, for the ``nn.Embedding`` and ``nn.Linear`` modules outside the blocks, whether

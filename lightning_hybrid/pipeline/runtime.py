@@ -220,9 +220,11 @@ class Pipeline:
             parent.register_buffer(attribute, ghost, persistent=False)
 
     def route_units(self) -> None:
-        """Make this rank's units consult the dispatcher on every call (after FSDP2 fixed their classes)."""
+        """Make this rank's units consult the dispatcher on every call (after FSDP2 fixed their classes), those
+        held here only for a weight too: called on a stage they do not compute on, they stand in (a tied embedding
+        on the last stage would otherwise look its tokens up, and all-reduce them over tp, for nothing)."""
         for index, unit in enumerate(self.split.units):
-            if unit.stage in self.stage_modules:
+            if self.stage_modules.keys() & set(unit.stages):
                 module = self.module.get_submodule(unit.name)
                 module.__class__ = staged_class(type(module))
                 module._pipeline_unit = (self._dispatcher, index)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -97,13 +97,25 @@ def combine_gradients(module: nn.Module, shared: list[SharedParameter]) -> None:
     """Sum each shared parameter's gradient over its group (and divide, for data-parallel averaging), in place.
     Holders of one parameter all have its gradient (each reads it), so every member takes part."""
     for entry in shared:
-        grad = module.get_parameter(entry.names[0]).grad if entry.group is not None else None
-        if grad is None:
+        parameter = module.get_parameter(entry.names[0])
+        if entry.group is None or parameter.grad is None:
             continue
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        parameter.grad = _in_parameter_layout(parameter, parameter.grad)
+        local = parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
         dist.all_reduce(local, group=entry.group)
         if entry.divide_by > 1:
             local.div_(entry.divide_by)
+
+
+def _in_parameter_layout(parameter: nn.Parameter, grad: Tensor) -> Tensor:
+    """``grad`` laid out like ``parameter``, so that the holders' local tensors correspond. Without FSDP2 (which
+    redistributes gradients itself) a vocabulary-sharded embedding's weight gradient comes out of DTensor's
+    embedding backward ``Replicate()``, the whole vocabulary on every tensor rank, while the head's is ``Shard(0)``:
+    summed over the stages holding a tied weight, the first stage's local tensor was the whole matrix and the last
+    stage's its slice (gloo: "Received data size doesn't match"). Replicate to Shard is a local slice."""
+    if not isinstance(grad, DTensor) or not isinstance(parameter, DTensor) or grad.placements == parameter.placements:
+        return grad
+    return grad.redistribute(parameter.device_mesh, parameter.placements)
 
 
 def counted_elsewhere(module: nn.Module, shared: list[SharedParameter]) -> set[int]:
