@@ -96,6 +96,11 @@ class HybridOptions:
             "max-autotune-no-cudagraphs"}``); blocks the LightningModule compiled itself are left as they are. Each
             block class compiles at its first call, the first training step. See
             :mod:`lightning_hybrid.parallel.compile`.
+        async_checkpoint: ``True``: ``trainer.save_checkpoint`` (and so ``ModelCheckpoint``) returns once this
+            rank's shards are copied to host memory; they are written in the background over a gloo group of their
+            own and the folder gets its final name once every rank's write is complete. At most one save is in
+            flight (the next waits); ``fit`` returns with every checkpoint published. See
+            :mod:`lightning_hybrid.checkpoint.async_save`.
     """
 
     dp: Degree = AUTO
@@ -118,6 +123,7 @@ class HybridOptions:
     weights: Optional[Union[str, os.PathLike]] = None
     reduce_dtype: Optional[str] = None
     compile: Compile = False
+    async_checkpoint: bool = False
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
@@ -143,6 +149,7 @@ class HybridOptions:
         if not isinstance(self.shard_vocab, bool):
             raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
                              " embedding and head over the vocabulary under tp) or False (keep them whole).")
+        _check_async_checkpoint(self.async_checkpoint, self.save_distributed_checkpoint)
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
             raise ValueError(f"HybridStrategy(weights={self.weights!r}) must be the path of a Hugging Face checkpoint"
                              " directory.")
@@ -255,6 +262,16 @@ def _check_pipeline_may_be_chosen(pp_split: Optional[Sequence[int]], save_distri
     if not save_distributed_checkpoint:
         raise ValueError(_CONSOLIDATED_WITH_PIPELINE.replace("pp > 1", "pp='auto'", 1)
                          + " (pp='auto' may choose a pipeline.)")
+
+
+def _check_async_checkpoint(async_checkpoint: object, save_distributed_checkpoint: bool) -> None:
+    if not isinstance(async_checkpoint, bool):
+        raise ValueError(f"HybridStrategy(async_checkpoint={async_checkpoint!r}) is invalid: pass True (write"
+                         " checkpoints in the background) or False.")
+    if async_checkpoint and not save_distributed_checkpoint:
+        raise ValueError("HybridStrategy(async_checkpoint=True, save_distributed_checkpoint=False): asynchronous saves"
+                         " write one DCP shard per rank, and a consolidated file is written by rank 0 alone. Keep"
+                         " save_distributed_checkpoint=True, or pass async_checkpoint=False.")
 
 
 def _checked_reduce_dtype(value: object) -> Optional[str]:
