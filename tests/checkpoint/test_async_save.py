@@ -154,6 +154,17 @@ def _everything(checkpoint: Path, out: Path) -> dict[str, Any]:
     return torch.load(out, weights_only=False)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal nested containers, tensors bit for bit."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 @pytest.mark.slow
 def test_async_saves_write_what_sync_saves_write_while_training_goes_on(async_and_sync: dict, tmp_path: Path) -> None:
     runs, folder = async_and_sync, async_and_sync["folder"]
@@ -161,9 +172,7 @@ def test_async_saves_write_what_sync_saves_write_while_training_goes_on(async_an
     for name in CHECKPOINTS:
         assert sorted(p.name for p in (folder / "async").iterdir()) == CHECKPOINTS  # published, no .partial
         saved = {kind: _everything(folder / kind / name, tmp_path / f"{kind}.pt") for kind in ("async", "sync")}
-        assert saved["async"].keys() == saved["sync"].keys()
-        for key, value in saved["sync"].items():
-            assert torch.equal(saved["async"][key], value) if torch.is_tensor(value) else saved["async"][key] == value
+        assert _same(saved["async"], saved["sync"]), name
         meta = {kind: torch.load(folder / kind / name / "meta.pt", weights_only=False) for kind in ("async", "sync")}
         assert meta["async"]["global_step"] == meta["sync"]["global_step"]
         assert meta["async"]["loops"] == meta["sync"]["loops"]
