@@ -107,6 +107,11 @@ class HybridOptions:
             backward inside torch's ``loss_parallel()``, which computes ``F.cross_entropy`` from the shards. Values
             the step returns or logs are handed to Lightning as plain tensors; any other operation on the logits
             receives the sharded DTensor. Not with pp > 1. See :mod:`lightning_hybrid.parallel.loss_parallel`.
+        async_checkpoint: ``True``: ``trainer.save_checkpoint`` (and so ``ModelCheckpoint``) returns once this
+            rank's shards are copied to host memory; they are written in the background over a gloo group of their
+            own and the folder gets its final name once every rank's write is complete. At most one save is in
+            flight (the next waits); ``fit`` returns with every checkpoint published. See
+            :mod:`lightning_hybrid.checkpoint.async_save`.
     """
 
     dp: Degree = AUTO
@@ -131,6 +136,7 @@ class HybridOptions:
     compile: Compile = False
     watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S
     loss_parallel: bool = False
+    async_checkpoint: bool = False
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
@@ -158,6 +164,7 @@ class HybridOptions:
             raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
                              " embedding and head over the vocabulary under tp) or False (keep them whole).")
         _check_loss_parallel(self.loss_parallel, self.tp, self.pp, self.shard_vocab)
+        _check_async_checkpoint(self.async_checkpoint, self.save_distributed_checkpoint)
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
             raise ValueError(f"HybridStrategy(weights={self.weights!r}) must be the path of a Hugging Face checkpoint"
                              " directory.")
@@ -293,6 +300,16 @@ def _check_loss_parallel(loss_parallel: object, tp: Degree, pp: Degree, shard_vo
         raise ValueError(f"HybridStrategy(loss_parallel=True, pp={pp!r}) is not supported: with a pipeline the loss"
                          " is computed on the last stage inside the pipeline schedule. Drop loss_parallel (the"
                          " logits are then gathered) or use pp=1.")
+
+
+def _check_async_checkpoint(async_checkpoint: object, save_distributed_checkpoint: bool) -> None:
+    if not isinstance(async_checkpoint, bool):
+        raise ValueError(f"HybridStrategy(async_checkpoint={async_checkpoint!r}) is invalid: pass True (write"
+                         " checkpoints in the background) or False.")
+    if async_checkpoint and not save_distributed_checkpoint:
+        raise ValueError("HybridStrategy(async_checkpoint=True, save_distributed_checkpoint=False): asynchronous saves"
+                         " write one DCP shard per rank, and a consolidated file is written by rank 0 alone. Keep"
+                         " save_distributed_checkpoint=True, or pass async_checkpoint=False.")
 
 
 def _checked_reduce_dtype(value: object) -> Optional[str]:

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid import _compat, model_parallel
-from lightning_hybrid.checkpoint import lightning_io
+from lightning_hybrid.checkpoint import async_save, lightning_io
 from lightning_hybrid.checkpoint.data_position import make_resumable
 from lightning_hybrid.checkpoint.resume import CheckpointRecords
 from lightning_hybrid.first_step import run_first_step
@@ -74,9 +74,9 @@ class HybridStrategy(ModelParallelStrategy):
     Arguments:
         dp, tp, pp, dp_replicate, zero, tp_plan, shard_vocab, blocks, pp_schedule, microbatches, virtual_stages,
         pp_split, activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights,
-        compile, reduce_dtype, loss_parallel, watchdog_timeout: validated at construction into :attr:`options`;
-            each is documented at :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may
-            be ``"auto"``: ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
+        compile, reduce_dtype, loss_parallel, watchdog_timeout, async_checkpoint: validated at construction into
+            :attr:`options`; each is documented at :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp``
+            and ``pp`` may be ``"auto"``: ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
             (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
             module that parallelizes itself they mean what they mean to ``ModelParallelStrategy``.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
@@ -88,6 +88,7 @@ class HybridStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "hybrid"
+    _async_saves: Optional[async_save.AsyncSaves] = None  # set at setup with async_checkpoint=True
 
     def __init__(
         self,
@@ -112,17 +113,18 @@ class HybridStrategy(ModelParallelStrategy):
         weights: Optional[Union[str, PathLike]] = None,
         reduce_dtype: Optional[str] = None, compile: Union[bool, Mapping[str, Any]] = False,
         loss_parallel: bool = False, watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         let_standalone_trainer_reach_precision(HybridStrategy)
         #: The validated arguments; an ``"auto"`` layout's chosen degrees replace the ``"auto"`` ones at setup.
         self.options = HybridOptions(dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=zero, tp_plan=tp_plan,
-            shard_vocab=shard_vocab, blocks=blocks, pp_schedule=pp_schedule, microbatches=microbatches,
+            shard_vocab=shard_vocab, blocks=blocks, pp_schedule=pp_schedule, microbatches=microbatches, offload=offload,
             virtual_stages=virtual_stages, pp_split=pp_split, activation_checkpointing=activation_checkpointing,
-            offload=offload, verify_tp_plan=verify_tp_plan, save_distributed_checkpoint=save_distributed_checkpoint,
-            cluster=cluster, weights=weights, compile=compile, reduce_dtype=reduce_dtype, loss_parallel=loss_parallel,
-            watchdog_timeout=watchdog_timeout)
+            verify_tp_plan=verify_tp_plan, save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster,
+            weights=weights, compile=compile, reduce_dtype=reduce_dtype, loss_parallel=loss_parallel,
+            watchdog_timeout=watchdog_timeout, async_checkpoint=async_checkpoint)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor
@@ -208,6 +210,7 @@ class HybridStrategy(ModelParallelStrategy):
             trainer.callbacks.append(CheckpointRecords())
         add_monitor(trainer, self._monitor)
         add_watchdog(trainer, self.options.watchdog_timeout)
+        self._async_saves = async_save.attach(trainer, self.options, self._async_saves, self._timeout)
         read_mesh = model_parallel.stop_watching(self._module_mesh)
         if self._parallelized is self.model:  # a later trainer.test()/predict() reuses the module fit left
             _compat.publish_device_mesh(self, self.lightning_module, self.device_mesh)
@@ -327,7 +330,13 @@ class HybridStrategy(ModelParallelStrategy):
                         storage_options: Optional[Any] = None) -> None:
         if not self.options.save_distributed_checkpoint or storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        lightning_io.save_checkpoint(checkpoint, Path(self.broadcast(filepath)), self.global_rank, self.barrier)
+        lightning_io.save_checkpoint(checkpoint, Path(self.broadcast(filepath)), self.global_rank, self.barrier,
+                                     self._async_saves)
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, PathLike]) -> None:
+        async_save.wait_if_writing(self._async_saves, filepath)  # else its publish would bring it back
+        super().remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, PathLike], weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -98,6 +98,7 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
@@ -358,8 +359,21 @@ def kill_switch(spec: str, signum: int = signal.SIGKILL) -> pl.Callback:
     rank, where, count = spec.split(":")
     if int(os.environ.get("RANK", 0)) != int(rank) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         return pl.Callback()
-    if where != "save":
+    if where not in ("save", "write"):
         return KillAt(where, int(count), signum)
+    if where == "write":
+        # Die when this rank's N-th DCP write starts: with async_checkpoint, in the background thread while the
+        # other ranks' writes are under way and training goes on.
+        original_write, writes = FileSystemWriter.write_data, [0]
+
+        def write_data(*write_args: Any, **write_kwargs: Any) -> Any:
+            writes[0] += 1
+            if writes[0] == int(count):
+                _signal_self(signum)
+            return original_write(*write_args, **write_kwargs)
+
+        FileSystemWriter.write_data = write_data
+        return pl.Callback()
     # Signalled when the N-th checkpoint save starts on this rank, while the other ranks are writing theirs.
     import lightning_hybrid.checkpoint.lightning_io as strategy_module
 
@@ -373,6 +387,18 @@ def kill_switch(spec: str, signum: int = signal.SIGKILL) -> pl.Callback:
 
     strategy_module.save_sharded = save_sharded
     return pl.Callback()
+
+
+def slow_down_writes(seconds: float) -> None:
+    """Every DCP write on this rank starts ``seconds`` late (a slow file system), so training steps run while an
+    asynchronous save is still writing."""
+    original_write = FileSystemWriter.write_data
+
+    def write_data(*write_args: Any, **write_kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return original_write(*write_args, **write_kwargs)
+
+    FileSystemWriter.write_data = write_data
 
 
 def _time_checkpoint_io(strategy: Any) -> dict[str, list[float]]:
@@ -441,6 +467,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              " (forward), in optimizer.step (optimizer); or when it starts its N-th checkpoint save"
                              " (save). First attempt only under torchrun. To test crash handling")
     parser.add_argument("--stop", metavar="RANK:WHERE:N", help="like --kill with SIGSTOP: a rank that freezes")
+    parser.add_argument("--slow-writes", type=float, default=0.0, metavar="SECONDS",
+                        help="start every DCP write SECONDS late on every rank (a slow file system)")
     parser.add_argument("--monitor", action="store_true",
                         help="add ModelCheckpoint(monitor='val_loss') and EarlyStopping; record each rank's decisions")
     parser.add_argument("--user-parallel", action="store_true",
@@ -521,6 +549,8 @@ def main(argv: list[str] | None = None) -> None:
     # Tiny models: keep Lightning's advice about dataloader workers and small batches out of the logs.
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*number of training batches.*")
+    if args.slow_writes:
+        slow_down_writes(args.slow_writes)
     if args.sweep is None:
         train_once(args, {}, args.out, args.tensorboard)
     else:
@@ -545,17 +575,20 @@ def shut_down_process_group() -> None:
 
 def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path, tensorboard: Path | None) -> None:
     """One fit + test + predict; rank 0 saves the result to ``out``. A sweep entry's ``"model"`` replaces
-    ``--model`` (several zoo families in one launch); its other keys are HybridStrategy arguments."""
+    ``--model`` (several zoo families in one launch), a ``"checkpoint_dir"`` replaces ``--checkpoint-dir``; its other
+    keys are HybridStrategy arguments."""
     start = time.perf_counter()
     # Forget graphs an earlier entry compiled: another layout's graphs would count towards Dynamo's recompile limit
     # (8 per code object), past which it silently runs eagerly.
     torch._dynamo.reset()
     recorded_entry = sweep_entry
-    if "model" in sweep_entry or "module" in sweep_entry:
-        sweep_entry = {k: v for k, v in sweep_entry.items() if k not in ("model", "module")}
+    if {"model", "module", "checkpoint_dir"} & sweep_entry.keys():
+        sweep_entry = {k: v for k, v in sweep_entry.items() if k not in ("model", "module", "checkpoint_dir")}
         module_kwargs = {**args.module_kwargs, **recorded_entry.get("module", {})}
+        checkpoint_dir = recorded_entry.get("checkpoint_dir", args.checkpoint_dir)
         args = argparse.Namespace(**{**vars(args), "model": recorded_entry.get("model", args.model),
-                                     "module_kwargs": module_kwargs})
+                                     "module_kwargs": module_kwargs,
+                                     "checkpoint_dir": Path(checkpoint_dir) if checkpoint_dir else None})
 
     config = {} if args.layers is None else {LAYERS_FIELD[args.model]: args.layers}
     module = (

@@ -54,7 +54,16 @@ def record_checksums(folder: Path, global_rank: int) -> None:
         dist.all_gather_object(gathered, own)
     if global_rank != 0:
         return
-    records = {name: record for shard_records in gathered for name, record in shard_records.items()}
+    _write_records(folder, {name: record for shard_records in gathered for name, record in shard_records.items()})
+
+
+def record_all_checksums(folder: Path) -> None:
+    """Rank 0 alone records every file of ``folder``: an asynchronous save is published from rank 0's writing
+    thread once every rank's write is complete, where no collective may run."""
+    _write_records(folder, {path.name: file_record(path) for path in sorted(folder.glob("*.distcp"))})
+
+
+def _write_records(folder: Path, records: dict[str, dict[str, int]]) -> None:
     for path in (folder / ".metadata", lightning_metadata_path(folder)):
         records[path.name] = file_record(path)
     (folder / CHECKSUMS_FILE).write_text(json.dumps(records, indent=1, sort_keys=True))

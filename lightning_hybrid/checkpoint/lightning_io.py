@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from lightning_hybrid.checkpoint.sharded import (
     saved_module_keys,
 )
 
+if TYPE_CHECKING:  # the asynchronous writer is a Lightning callback; `lightning-hybrid export` needs no Lightning
+    from lightning_hybrid.checkpoint.async_save import AsyncSaves
+
 #: Optimizer state keyed per parameter name (``state.<name>.<key>``, ``param_groups.<name>.<key>``), not per group:
 #: pipeline ranks hold different parameters, so one group's list of names differs between ranks and would be
 #: saved from one rank only; per-name keys are unique and load under any other layout or stage split.
@@ -62,9 +65,13 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     return get_optimizer_state_dict(model, optimizer, options=FLAT_OPTIMIZER_STATE)
 
 
-def save_checkpoint(checkpoint: dict[str, Any], path: Path, global_rank: int, barrier: Callable[[], None]) -> None:
+def save_checkpoint(checkpoint: dict[str, Any], path: Path, global_rank: int, barrier: Callable[[], None],
+                    saves: Optional[AsyncSaves] = None) -> None:
     """Write Lightning's ``checkpoint`` dict as a sharded checkpoint folder at ``path`` (the same on every rank;
-    every rank calls). Returns once the folder is complete and has its final name."""
+    every rank calls). Returns once the folder is complete and has its final name, or with ``saves``, once the
+    shards are copied to host memory: they are written and published in the background (:mod:`.async_save`)."""
+    if saves is not None:
+        saves.wait()  # the save in flight may be writing this very folder
     partial = partial_checkpoint_path(path)
     if global_rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier save that crashed
@@ -72,6 +79,9 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path, global_rank: int, ba
     barrier()
     shards = {MODULE_STATE_KEY: checkpoint.pop("state_dict")}
     shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    if saves is not None:
+        saves.start(shards, partial, path, checkpoint if global_rank == 0 else None)
+        return
     save_sharded(shards, partial)  # returns once every rank's shard and the DCP metadata are written
     if global_rank == 0:
         torch.save(checkpoint, lightning_metadata_path(partial))
