@@ -96,6 +96,11 @@ class HybridOptions:
             "max-autotune-no-cudagraphs"}``); blocks the LightningModule compiled itself are left as they are. Each
             block class compiles at its first call, the first training step. See
             :mod:`lightning_hybrid.parallel.compile`.
+        check_replicas_every_n_steps: Every N optimizer steps, compare what must be identical on several ranks (HSDP
+            replicas, parameters tensor parallelism keeps whole, tied copies across pipeline stages) by an exact
+            fingerprint of each copy, and stop with :class:`~lightning_hybrid.resilience.replicas.ReplicaDivergence`
+            naming the tensors and ranks that disagree; ``None`` (default): no check. See
+            :mod:`lightning_hybrid.resilience.replicas`.
     """
 
     dp: Degree = AUTO
@@ -118,6 +123,7 @@ class HybridOptions:
     weights: Optional[Union[str, os.PathLike]] = None
     reduce_dtype: Optional[str] = None
     compile: Compile = False
+    check_replicas_every_n_steps: Optional[int] = None
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
@@ -143,6 +149,9 @@ class HybridOptions:
         if not isinstance(self.shard_vocab, bool):
             raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
                              " embedding and head over the vocabulary under tp) or False (keep them whole).")
+        if self.check_replicas_every_n_steps is not None:
+            check_positive("HybridStrategy", "check_replicas_every_n_steps", self.check_replicas_every_n_steps,
+                           also=" or None (no check)")
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
             raise ValueError(f"HybridStrategy(weights={self.weights!r}) must be the path of a Hugging Face checkpoint"
                              " directory.")

@@ -49,6 +49,7 @@ from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.plan.auto_layout import choose_for_run
 from lightning_hybrid.plan.hardware import Cluster
 from lightning_hybrid.plan.layout import Estimate
+from lightning_hybrid.resilience.replicas import add_replica_check
 from lightning_hybrid.steps import RootStepRouter, free_stale_gradients
 
 
@@ -70,11 +71,11 @@ class HybridStrategy(ModelParallelStrategy):
     Arguments:
         dp, tp, pp, dp_replicate, zero, tp_plan, shard_vocab, blocks, pp_schedule, microbatches, virtual_stages,
         pp_split, activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights,
-        compile, reduce_dtype: the parallelism, validated at construction into :attr:`options`; each is documented at
-            :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
-            ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
-            (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
-            module that parallelizes itself they mean what they mean to ``ModelParallelStrategy``.
+        compile, reduce_dtype, check_replicas_every_n_steps: the parallelism, validated at construction into
+            :attr:`options`; each is documented at :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp``
+            and ``pp`` may be ``"auto"``: ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's
+            cost model (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`;
+            for a module that parallelizes itself they mean what they mean to ``ModelParallelStrategy``.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
         timeout: Timeout of collective operations: also how long the other ranks can wait on a rank that vanished
             without closing its connections (a killed process's closed connections end the job at once).
@@ -107,7 +108,7 @@ class HybridStrategy(ModelParallelStrategy):
         cluster: Optional[Cluster] = None,
         weights: Optional[Union[str, PathLike]] = None,
         reduce_dtype: Optional[str] = None,
-        compile: Union[bool, Mapping[str, Any]] = False,
+        compile: Union[bool, Mapping[str, Any]] = False, check_replicas_every_n_steps: Optional[int] = None,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -117,7 +118,8 @@ class HybridStrategy(ModelParallelStrategy):
             shard_vocab=shard_vocab, blocks=blocks, pp_schedule=pp_schedule, microbatches=microbatches,
             virtual_stages=virtual_stages, pp_split=pp_split, activation_checkpointing=activation_checkpointing,
             offload=offload, verify_tp_plan=verify_tp_plan, save_distributed_checkpoint=save_distributed_checkpoint,
-            cluster=cluster, weights=weights, compile=compile, reduce_dtype=reduce_dtype)
+            cluster=cluster, weights=weights, compile=compile, reduce_dtype=reduce_dtype,
+            check_replicas_every_n_steps=check_replicas_every_n_steps)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor
@@ -198,6 +200,7 @@ class HybridStrategy(ModelParallelStrategy):
         if not any(isinstance(callback, CheckpointRecords) for callback in trainer.callbacks):
             trainer.callbacks.append(CheckpointRecords())
         add_monitor(trainer, self._monitor)
+        add_replica_check(trainer, self.options.check_replicas_every_n_steps)
         read_mesh = model_parallel.stop_watching(self._module_mesh)
         if self._parallelized is self.model:  # a later trainer.test()/predict() reuses the module fit left
             _compat.publish_device_mesh(self, self.lightning_module, self.device_mesh)
