@@ -112,6 +112,11 @@ class HybridOptions:
             own and the folder gets its final name once every rank's write is complete. At most one save is in
             flight (the next waits); ``fit`` returns with every checkpoint published. See
             :mod:`lightning_hybrid.checkpoint.async_save`.
+        check_replicas_every_n_steps: Every N optimizer steps, compare what must be identical on several ranks (HSDP
+            replicas, parameters tensor parallelism keeps whole, tied copies across pipeline stages) by an exact
+            fingerprint of each copy, and stop with :class:`~lightning_hybrid.resilience.replicas.ReplicaDivergence`
+            naming the tensors and ranks that disagree; ``None`` (default): no check. See
+            :mod:`lightning_hybrid.resilience.replicas`.
     """
 
     dp: Degree = AUTO
@@ -137,6 +142,7 @@ class HybridOptions:
     watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S
     loss_parallel: bool = False
     async_checkpoint: bool = False
+    check_replicas_every_n_steps: Optional[int] = None
     #: The resolved schedule (``None`` when pp = 1, or pp = "auto" before the layout is chosen).
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
@@ -165,6 +171,9 @@ class HybridOptions:
                              " embedding and head over the vocabulary under tp) or False (keep them whole).")
         _check_loss_parallel(self.loss_parallel, self.tp, self.pp, self.shard_vocab)
         _check_async_checkpoint(self.async_checkpoint, self.save_distributed_checkpoint)
+        if self.check_replicas_every_n_steps is not None:
+            check_positive("HybridStrategy", "check_replicas_every_n_steps", self.check_replicas_every_n_steps,
+                           also=" or None (no check)")
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
             raise ValueError(f"HybridStrategy(weights={self.weights!r}) must be the path of a Hugging Face checkpoint"
                              " directory.")

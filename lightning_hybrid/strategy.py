@@ -53,6 +53,7 @@ from lightning_hybrid.plan.hardware import Cluster
 from lightning_hybrid.plan.layout import Estimate
 from lightning_hybrid.resilience.lost_rank import explain_lost_rank
 from lightning_hybrid.resilience.watchdog import add_watchdog
+from lightning_hybrid.resilience.replicas import add_replica_check
 from lightning_hybrid.steps import RootStepRouter, free_stale_gradients
 
 
@@ -74,9 +75,10 @@ class HybridStrategy(ModelParallelStrategy):
     Arguments:
         dp, tp, pp, dp_replicate, zero, tp_plan, shard_vocab, blocks, pp_schedule, microbatches, virtual_stages,
         pp_split, activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights,
-        compile, reduce_dtype, loss_parallel, watchdog_timeout, async_checkpoint: validated at construction into
-            :attr:`options`; each is documented at :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp``
-            and ``pp`` may be ``"auto"``: ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
+        compile, reduce_dtype, loss_parallel, watchdog_timeout, async_checkpoint, check_replicas_every_n_steps:
+            validated at construction into :attr:`options`; each is documented at
+            :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
+            ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
             (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
             module that parallelizes itself they mean what they mean to ``ModelParallelStrategy``.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
@@ -114,6 +116,7 @@ class HybridStrategy(ModelParallelStrategy):
         reduce_dtype: Optional[str] = None, compile: Union[bool, Mapping[str, Any]] = False,
         loss_parallel: bool = False, watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
         async_checkpoint: bool = False,
+        check_replicas_every_n_steps: Optional[int] = None,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -124,7 +127,8 @@ class HybridStrategy(ModelParallelStrategy):
             virtual_stages=virtual_stages, pp_split=pp_split, activation_checkpointing=activation_checkpointing,
             verify_tp_plan=verify_tp_plan, save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster,
             weights=weights, compile=compile, reduce_dtype=reduce_dtype, loss_parallel=loss_parallel,
-            watchdog_timeout=watchdog_timeout, async_checkpoint=async_checkpoint)
+            watchdog_timeout=watchdog_timeout, async_checkpoint=async_checkpoint,
+            check_replicas_every_n_steps=check_replicas_every_n_steps)
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor
@@ -211,6 +215,7 @@ class HybridStrategy(ModelParallelStrategy):
         add_monitor(trainer, self._monitor)
         add_watchdog(trainer, self.options.watchdog_timeout)
         self._async_saves = async_save.attach(trainer, self.options, self._async_saves, self._timeout)
+        add_replica_check(trainer, self.options.check_replicas_every_n_steps)
         read_mesh = model_parallel.stop_watching(self._module_mesh)
         if self._parallelized is self.model:  # a later trainer.test()/predict() reuses the module fit left
             _compat.publish_device_mesh(self, self.lightning_module, self.device_mesh)
