@@ -176,11 +176,12 @@ def test_async_saves_write_what_sync_saves_write_while_training_goes_on(async_an
         meta = {kind: torch.load(folder / kind / name / "meta.pt", weights_only=False) for kind in ("async", "sync")}
         assert meta["async"]["global_step"] == meta["sync"]["global_step"]
         assert meta["async"]["loops"] == meta["sync"]["loops"]
-    # rank 0's seconds inside save_checkpoint: a synchronous save waits for its write, an asynchronous one
-    # returns after copying the shards (the first save of each epoch end: the second, last.ckpt, waits for it).
+    # rank 0's seconds inside save_checkpoint: a synchronous save waits for its write, an asynchronous one returns
+    # after copying the shards unless the previous write is still going (last.ckpt right after an epoch's
+    # checkpoint waits for it); the fastest of each kind, as one save on a loaded machine can take long.
     save_s = {kind: runs[kind]["checkpoint_seconds"]["save"] for kind in ("async", "sync")}
     print(f"seconds per save, writes {SLOW_WRITE_S} s late: {save_s}")
-    assert min(save_s["sync"]) >= SLOW_WRITE_S and save_s["async"][0] < SLOW_WRITE_S / 2
+    assert min(save_s["sync"]) >= SLOW_WRITE_S and min(save_s["async"]) < SLOW_WRITE_S / 2
 
 
 @pytest.mark.slow
