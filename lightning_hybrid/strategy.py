@@ -94,15 +94,9 @@ class HybridStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        dp: Degree = "auto", tp: Degree = 1, pp: Degree = 1,
-        dp_replicate: int = 1,
-        zero: Optional[int] = None,
-        tp_plan: Optional[Mapping[str, PlanEntry]] = None,
-        shard_vocab: bool = True,
-        blocks: Optional[str] = None,
-        pp_schedule: str = "1f1b",
-        microbatches: Optional[int] = None,
-        virtual_stages: Optional[int] = None,
+        dp: Degree = "auto", tp: Degree = 1, pp: Degree = 1, dp_replicate: int = 1, zero: Optional[int] = None,
+        tp_plan: Optional[Mapping[str, PlanEntry]] = None, shard_vocab: bool = True, blocks: Optional[str] = None,
+        pp_schedule: str = "1f1b", microbatches: Optional[int] = None, virtual_stages: Optional[int] = None,
         pp_split: Optional[Sequence[int]] = None,
         activation_checkpointing: ActivationCheckpointing = None,
         offload: bool = False,
@@ -115,8 +109,7 @@ class HybridStrategy(ModelParallelStrategy):
         weights: Optional[Union[str, PathLike]] = None,
         reduce_dtype: Optional[str] = None, compile: Union[bool, Mapping[str, Any]] = False,
         loss_parallel: bool = False, watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
-        async_checkpoint: bool = False,
-        check_replicas_every_n_steps: Optional[int] = None,
+        async_checkpoint: bool = False, check_replicas_every_n_steps: Optional[int] = None,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
