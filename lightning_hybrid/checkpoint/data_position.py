@@ -118,15 +118,14 @@ _LOADER_CLASSES: dict[type, type] = {}
 
 
 def make_resumable(loader: Any) -> Any:
-    """Make the training ``loader``'s position resumable, in place, when its sampler is a plain
-    ``DistributedSampler`` with a fixed batch size; returns ``loader``."""
-    if not isinstance(loader, DataLoader) or loader.batch_size is None:
-        return loader  # a custom batch sampler: its batches' sizes are unknown
-    sampler = loader.sampler
-    if type(sampler) is not DistributedSampler:
+    """Make the training ``loader``'s position resumable, in place, when it draws from a plain
+    ``DistributedSampler`` in batches of a fixed size; returns ``loader``."""
+    found = _distributed_sampler(loader)
+    if found is None:
         return loader
+    sampler, batch_size, drop_last = found
     sampler.__class__ = ResumableDistributedSampler
-    sampler.rank_batch_size, sampler.drop_last_batch = loader.batch_size, loader.drop_last
+    sampler.rank_batch_size, sampler.drop_last_batch = batch_size, drop_last
     if not callable(getattr(loader, "state_dict", None)):  # torchdata's StatefulDataLoader saves its sampler itself
         cls = type(loader)
         if cls not in _LOADER_CLASSES:
@@ -135,10 +134,26 @@ def make_resumable(loader: Any) -> Any:
     return loader
 
 
+def _distributed_sampler(loader: Any) -> Optional[tuple[DistributedSampler, int, bool]]:
+    """The loader's sampler, its batch size and ``drop_last`` — the loader's own, or its batch sampler's (Lightning
+    rebuilds torchdata's loader with a ``BatchSampler`` over the sampler it injects)."""
+    if not isinstance(loader, DataLoader):
+        return None
+    if loader.batch_size is not None:
+        sampler, batch_size, drop_last = loader.sampler, loader.batch_size, loader.drop_last
+    else:
+        batches = loader.batch_sampler
+        sampler, batch_size = getattr(batches, "sampler", None), getattr(batches, "batch_size", None)
+        drop_last = bool(getattr(batches, "drop_last", False))
+    if type(sampler) not in (DistributedSampler, ResumableDistributedSampler) or not isinstance(batch_size, int):
+        return None  # a sampler of the user's own, or batches of unknown size
+    return sampler, batch_size, drop_last
+
+
 def resumable_sampler(loader: Any) -> Optional[ResumableDistributedSampler]:
     """The loader's resumable sampler, or ``None``."""
-    sampler = getattr(loader, "sampler", None)
-    return sampler if isinstance(sampler, ResumableDistributedSampler) else None
+    found = _distributed_sampler(loader)
+    return found[0] if found is not None and isinstance(found[0], ResumableDistributedSampler) else None
 
 
 def align_batch_progress(trainer: Any, sampler: ResumableDistributedSampler) -> None:
