@@ -219,9 +219,9 @@ def test_a_checked_fit_passes_and_trains_exactly_like_an_unchecked_one(four_rank
     ("hsdp", (("model.blocks.0.mlp.fc_in.weight",), ("HSDP replica",), (1, 3), ())),
     # Kept whole by tensor parallelism: four copies (2 replicas × 2 tp ranks), three agreeing.
     ("tp_norm", (("model.blocks.1.ln_2.weight",), ("HSDP replica", "tp-replicated"), (1,), (0, 2, 3))),
-    # Tied embedding and head, held on both stages and kept whole over tp there: four copies, three agreeing.
-    ("tied", (("model.embed.weight", "model.head.weight"), ("tied copy across pipeline stages", "tp-replicated"),
-              (2,), (0, 1, 3))),
+    # Tied embedding and head, held on both stages and sharded over the vocabulary there: each shard has two
+    # copies, on ranks 0 (stage 0) and 2 (stage 1) with tp coordinate 0, so no majority.
+    ("tied", (("model.embed.weight", "model.head.weight"), ("tied copy across pipeline stages",), (0, 2), ())),
     # Kept whole by tensor parallelism on stage 0 (ranks 0, 1), no other copy: two copies, no majority.
     ("pp_norm", (("model.blocks.0.norm1.weight",), ("tp-replicated",), (0, 1), ())),
 ])
