@@ -52,8 +52,8 @@ def test_module_that_parallelizes_itself_is_left_alone(reference_run: ReferenceF
 
 
 def test_offload_needs_the_strategy_to_shard(tmp_path: Path) -> None:
-    with pytest.raises(ScriptError,
-                       match=r"offload=, activation_checkpointing=, compile=\) are applied while the strategy"):
+    applied_while_sharding = r"offload=, activation_checkpointing=, compile=, loss_parallel=\) are applied while the strategy"
+    with pytest.raises(ScriptError, match=applied_while_sharding):
         run_script(["--model", "gpt", "--devices", 1, "--user-parallel", "--strategy-kwargs", '{"offload": true}',
                     "--out", tmp_path / "u.pt"])
 
