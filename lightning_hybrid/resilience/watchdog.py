@@ -48,7 +48,8 @@ EXIT_CODE = 75
 FIRST_BATCH_ALLOWANCE = 5
 #: Seconds between beats at most; shorter bounds beat five times per bound.
 BEAT_INTERVAL_S = 5.0
-#: Where the beats live in the store; one namespace per watched trainer call (fit, validate, test, predict).
+#: Where the beats live in the store; one namespace per torchrun attempt and watched trainer call (fit, validate,
+#: test, predict).
 KEY_PREFIX = "lightning_hybrid/watchdog"
 #: The key under which the first rank to reach a verdict announces it (``"<rank>|<message>"``).
 VERDICT_KEY = "verdict"
@@ -325,7 +326,9 @@ class Watchdog(Callback):
         if self.heartbeat is None and trainer.world_size > 1:
             environment = trainer.strategy.cluster_environment  # type: ignore[attr-defined]
             host, port = environment.main_address, environment.main_port
-            prefix = f"{KEY_PREFIX}/{next(_watched_calls)}/"
+            # torchrun's store outlives a failed attempt: each attempt keeps its beats (and verdict) apart.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            prefix = f"{KEY_PREFIX}/{attempt}/{next(_watched_calls)}/"
             self.heartbeat = Heartbeat(lambda: store_client(host, port, prefix, self.timeout), trainer.world_size,
                                        trainer.global_rank, self.timeout, store_address=f"{host}:{port}")
             self.heartbeat.start()

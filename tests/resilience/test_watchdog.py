@@ -4,6 +4,7 @@ threads over an in-process store, and one 2-rank fit in which rank 1 is SIGSTOPp
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -30,7 +31,7 @@ from lightning_hybrid.resilience.watchdog import (
     describe,
 )
 from tests.conftest import CHECKPOINTED_LAYERS
-from tests.helpers import start_ranks
+from tests.helpers import free_port, start_ranks
 
 TIMEOUT = 5.0
 
@@ -140,6 +141,29 @@ def test_every_rank_ends_with_the_verdict_the_first_one_announced() -> None:
         heartbeat.stop(done=True)
     assert sorted(messages) == ["[lightning-hybrid watchdog] rank 0 (as rank 1 found): rank(s) 2 stopped sending"
                                 " heartbeats", "[lightning-hybrid watchdog] rank 1: rank(s) 2 stopped sending heartbeats"]
+
+
+def test_a_restarted_attempt_does_not_end_on_the_verdict_of_the_failed_one(monkeypatch) -> None:
+    """torchrun keeps its rendezvous store across restarts: the restarted processes (a fresh count of watched
+    calls) must not read the verdict the failed attempt left there, or every restart would end at once."""
+    import lightning_hybrid.resilience.watchdog as watchdog_module
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    environment = SimpleNamespace(main_address="127.0.0.1", main_port=port)
+    trainer = SimpleNamespace(world_size=2, global_rank=0, strategy=SimpleNamespace(cluster_environment=environment))
+    ended: dict[str, list[str]] = {"0": [], "1": []}
+    for attempt, watch_s in (("0", 0.5 * FIRST_BATCH_ALLOWANCE + 1.5), ("1", 1.0)):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        monkeypatch.setattr(watchdog_module, "_watched_calls", itertools.count())  # a new process counts anew
+        monkeypatch.setattr(watchdog_module, "end_process", lambda message, linger_s: ended[attempt].append(message))
+        watchdog = Watchdog(timeout=0.5)
+        watchdog.on_fit_start(trainer, None)  # rank 1 of this fake job never beats
+        time.sleep(watch_s)
+        watchdog.teardown(trainer, None, "fit")
+    assert len(ended["0"]) == 1 and "rank(s) 1 stopped sending heartbeats" in ended["0"][0]
+    assert ended["1"] == []  # within its startup allowance, and the old verdict is not its own
+    del server
 
 
 def test_the_option_is_validated_and_off_means_no_watchdog() -> None:
