@@ -19,8 +19,9 @@ at that moment stays under its ``.partial`` name (see :mod:`lightning_hybrid.che
 is any batch end (training, validation, test, predict): all the training thread does is count it. Until a rank
 has finished the first batch of a loop or epoch, or after it started saving a checkpoint, the progress bound is
 :data:`FIRST_BATCH_ALLOWANCE` times longer (compilation, shape inference, writing); liveness is bounded alike
-from the start, since the beating thread does not wait for training. The setup before the loops (tracing the
-first step) is not watched.
+from the start, since the beating thread does not wait for training. During the strategy's setup (tracing the
+first step, parallelizing, loading weights: its length depends on the model and the disk) only liveness is
+watched; the progress bound starts when the loops do.
 
 Example::
 
@@ -51,6 +52,8 @@ BEAT_INTERVAL_S = 5.0
 #: Where the beats live in the store; one namespace per torchrun attempt and watched trainer call (fit, validate,
 #: test, predict).
 KEY_PREFIX = "lightning_hybrid/watchdog"
+#: The phase of a rank whose strategy is still setting up (liveness watched, progress not yet).
+SETUP_PHASE = "setup"
 #: The key under which the first rank to reach a verdict announces it (``"<rank>|<message>"``).
 VERDICT_KEY = "verdict"
 _watched_calls = itertools.count()  # every rank makes the same trainer calls in the same order
@@ -119,7 +122,8 @@ class StallDetector:
             seen = self.latest[rank]
             if seen is None or beat.beats != seen.beats:
                 self.beat_at[rank] = now
-            if seen is None or beat.batches != seen.batches:
+            left_setup = seen is not None and seen.phase == SETUP_PHASE != beat.phase
+            if seen is None or beat.batches != seen.batches or left_setup:
                 self.progress_at[rank] = now
             self.latest[rank] = beat
         return self._silent(now) or self._stalled(now)
@@ -137,7 +141,7 @@ class StallDetector:
     def _stalled(self, now: float) -> Optional[Verdict]:
         watched = self._watched()
         beats = [self.latest[rank] for rank in watched]
-        if not watched or any(beat is None for beat in beats):
+        if not watched or any(beat is None or beat.phase == SETUP_PHASE for beat in beats):
             return None
         warming = any(beat.warming for beat in beats)  # type: ignore[union-attr]
         bound = self.timeout * (FIRST_BATCH_ALLOWANCE if warming else 1)
@@ -221,7 +225,7 @@ class Heartbeat:
         self.on_verdict = on_verdict or (lambda message: end_process(message, linger_s=2 * self.interval))
         #: ``(rank, body)`` of a verdict another rank announced, once read.
         self.announced: Optional[tuple[int, str]] = None
-        self.batches, self.phase, self.step, self.warming = 0, "start", 0, True
+        self.batches, self.phase, self.step, self.warming = 0, SETUP_PHASE, 0, True
         self.beats = 0
         self.detector = StallDetector(world_size, rank, timeout, now=clock())
         self._store: Optional[dist.Store] = None
@@ -310,8 +314,8 @@ def store_client(host: str, port: int, prefix: str, timeout: float) -> dist.Stor
 
 class Watchdog(Callback):
     """Ends every rank with one message naming the rank(s) that stopped making progress for longer than
-    ``timeout`` seconds (see the module docstring). Watches from the start of a fit, validate, test or predict
-    call to its teardown; not in a single-process run (no other rank to wait for).
+    ``timeout`` seconds (see the module docstring). Watches a fit, validate, test or predict call from its
+    setup hook to its teardown; not in a single-process run (no other rank to wait for).
 
     Example::
 
@@ -322,7 +326,9 @@ class Watchdog(Callback):
         self.timeout = timeout
         self.heartbeat: Optional[Heartbeat] = None
 
-    def _watch(self, trainer: Trainer) -> None:
+    def watch(self, trainer: Trainer) -> None:
+        """Start watching this trainer call's ranks, unless already watching (every hook that starts a call or
+        a loop calls it)."""
         if self.heartbeat is None and trainer.world_size > 1:
             environment = trainer.strategy.cluster_environment  # type: ignore[attr-defined]
             host, port = environment.main_address, environment.main_port
@@ -332,6 +338,11 @@ class Watchdog(Callback):
             self.heartbeat = Heartbeat(lambda: store_client(host, port, prefix, self.timeout), trainer.world_size,
                                        trainer.global_rank, self.timeout, store_address=f"{host}:{port}")
             self.heartbeat.start()
+
+    def _start_loop(self, trainer: Trainer) -> None:
+        self.watch(trainer)  # a watchdog added after setup starts here
+        if self.heartbeat is not None and self.heartbeat.phase == SETUP_PHASE:
+            self.heartbeat.phase = "start"  # the progress bound applies from here
         self._warm()
 
     def _warm(self, *_: Any) -> None:
@@ -347,20 +358,23 @@ class Watchdog(Callback):
         if self.heartbeat is not None:
             self.heartbeat.progressed(phase, trainer.global_step)
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.watch(trainer)  # before the strategy's setup: a rank frozen while it traces or loads is named
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._watch(trainer)
+        self._start_loop(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._watch(trainer)
+        self._start_loop(trainer)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._watch(trainer)
+        self._start_loop(trainer)
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._watch(trainer)
+        self._start_loop(trainer)
 
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._watch(trainer)
+        self._start_loop(trainer)
 
     on_train_epoch_start = _warm
     on_save_checkpoint = _warm
@@ -385,6 +399,13 @@ class Watchdog(Callback):
 
 
 def add_watchdog(trainer: Trainer, timeout: Optional[float]) -> None:
-    """Add a :class:`Watchdog` with ``timeout`` to ``trainer`` unless it has one or ``timeout`` is ``None`` (off)."""
-    if timeout is not None and not any(isinstance(callback, Watchdog) for callback in trainer.callbacks):
-        trainer.callbacks.append(Watchdog(timeout))
+    """Add a :class:`Watchdog` with ``timeout`` to ``trainer`` unless it has one or ``timeout`` is ``None`` (off),
+    and start it: called from the strategy's setup, after the callbacks' setup hooks, so that the rest of that setup
+    is watched too."""
+    if timeout is None:
+        return
+    watchdog = next((callback for callback in trainer.callbacks if isinstance(callback, Watchdog)), None)
+    if watchdog is None:
+        watchdog = Watchdog(timeout)
+        trainer.callbacks.append(watchdog)
+    watchdog.watch(trainer)

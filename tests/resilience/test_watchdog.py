@@ -22,6 +22,7 @@ from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.resilience.watchdog import (
     EXIT_CODE,
     FIRST_BATCH_ALLOWANCE,
+    SETUP_PHASE,
     Beat,
     VERDICT_KEY,
     Heartbeat,
@@ -74,6 +75,33 @@ def test_a_stall_names_the_rank_behind_after_the_first_batch_allowance() -> None
     verdict = detector.observe(1.1 + TIMEOUT, _beats(Beat(3, 8, warming=False), Beat(3, 7, warming=False)))
     assert verdict is not None and (verdict.kind, verdict.ranks) == ("behind", (1,))
     assert "rank(s) 1 fell behind" in describe(verdict, TIMEOUT)
+
+
+def test_during_setup_only_liveness_is_bounded_and_the_progress_bound_starts_with_the_loops() -> None:
+    """Setting up (tracing, parallelizing, loading weights) may take long: no stall verdict while a rank is in it,
+    but a rank that stops beating is named; the loop's first-batch allowance counts from when setup ended."""
+    setup = FIRST_BATCH_ALLOWANCE * TIMEOUT * 3
+    detector = StallDetector(world_size=2, rank=0, timeout=TIMEOUT, now=0.0)
+    for second in range(1, int(setup)):
+        assert detector.observe(second, _beats(Beat(second, phase=SETUP_PHASE), Beat(second))) is None, second
+    started = _beats(Beat(int(setup)), Beat(int(setup)))
+    assert detector.observe(setup, started) is None  # both left setup at once: the allowance starts now
+    assert detector.observe(setup + TIMEOUT * FIRST_BATCH_ALLOWANCE - 1, started) is not None  # beats stopped
+    detector = StallDetector(world_size=2, rank=0, timeout=TIMEOUT, now=0.0)
+    for second in range(1, int(setup)):
+        beats = _beats(Beat(second, phase=SETUP_PHASE), Beat(second, phase=SETUP_PHASE))
+        assert detector.observe(second, beats) is None, second
+    beats = _beats(Beat(int(setup) + 1), Beat(int(setup) + 1))
+    assert detector.observe(setup + 1, beats) is None
+    for second in range(int(setup) + 2, int(setup + TIMEOUT * FIRST_BATCH_ALLOWANCE)):
+        assert detector.observe(second, _beats(Beat(second), Beat(second))) is None, second
+    verdict = detector.observe(setup + TIMEOUT * FIRST_BATCH_ALLOWANCE + 1.5, _beats(Beat(999), Beat(999)))
+    assert verdict is not None and verdict.kind == "stalled"
+    # Frozen in setup: no beats, named as silent after the bound.
+    detector = StallDetector(world_size=2, rank=0, timeout=TIMEOUT, now=0.0)
+    assert detector.observe(1.0, _beats(Beat(1, phase=SETUP_PHASE), Beat(1, phase=SETUP_PHASE))) is None
+    verdict = detector.observe(2.0 + TIMEOUT, _beats(Beat(9, phase=SETUP_PHASE), Beat(1, phase=SETUP_PHASE)))
+    assert verdict is not None and (verdict.kind, verdict.ranks) == ("silent", (1,))
 
 
 def test_a_store_that_stops_answering_names_its_host_rank_0() -> None:
