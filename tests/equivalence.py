@@ -565,6 +565,11 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(0)
 
 
+def _process_group_count() -> int:
+    """The process groups torch holds now (the default one included); it keeps no public list of them."""
+    return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
+
+
 def shut_down_process_group() -> None:
     """Leave together and close gloo's connections before exit; a rank exiting while its peers' gloo threads still
     serve the connection occasionally died in C++ ("terminate called without an active exception")."""
@@ -638,9 +643,11 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
         "best_model_path": trainer.checkpoint_callback.best_model_path if args.monitor else "",
     })
     fit_step = trainer.global_step
+    groups_after_fit = _process_group_count()
     # Evaluation after fit: test_step through the strategy, and predict_step (each rank predicts its data shard).
     test_loss = trainer.test(module, dataloaders=val, verbose=False)[0]["test_loss"]
     predictions = trainer.predict(module, dataloaders=val)
+    process_groups = (groups_after_fit, _process_group_count())
 
     if trainer.global_rank == 0:
         first_step = recorder.start_step  # the resumed checkpoint's step (0 for a fresh run)
@@ -683,6 +690,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "rank_decisions": decisions,
             "test_loss": float(test_loss),
             "prediction_shapes": [tuple(p.shape) for p in predictions],
+            "process_groups": process_groups,  # after fit, after test + predict
             "tp_plan": getattr(trainer.strategy, "tp_plan_applied", {}),
             "auto_layout": str(trainer.strategy.layout_estimate.layout)
             if getattr(trainer.strategy, "layout_estimate", None) else None,

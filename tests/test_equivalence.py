@@ -1,9 +1,9 @@
 """Every parallel layout must train to the same numbers as plain single-process Lightning.
 
-Each case runs ``tests/equivalence.py`` twice in subprocesses - once as the plain reference (cached per session,
-see ``conftest.py``) and once with the layout - and compares every logged micro-batch loss, the validation loss
-and every full parameter after 6 AdamW steps with gradient clipping and gradient accumulation, within 1e-5
-relative in fp32.
+Each case compares a plain single-process reference run of ``tests/equivalence.py`` (cached per session, see
+``conftest.py``) with a run under the layout (one launch per layout trains every model): every logged micro-batch
+loss, the validation loss and every full parameter after 6 AdamW steps with gradient clipping and gradient
+accumulation, within 1e-5 relative in fp32.
 
 The fast tests check the harness itself: the reference is reproducible bit for bit, training moves every
 parameter far more than the tolerance (so the comparison cannot pass trivially), the reference data order is
@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from tests.conftest import ReferenceFn
 from tests.equivalence import DistributedOrderSampler
-from tests.helpers import assert_equivalent, relative_difference, run_script
+from tests.helpers import assert_equivalent, cached_runs, relative_difference, run_script, run_sweep
 from tests.models import MODEL_NAMES, RandomTokenDataset, build_module
 
 RTOL = 1e-5
@@ -67,24 +67,39 @@ LAYOUTS = [
 # ----------------------------------------------------------------------------------------------------------------
 # The equivalence tests (multi-process, slow)
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory: pytest.TempPathFactory):
+    """``layout_runs(name)``: ``{model: result}`` for every model under that layout (or ``"ddp"``: Lightning's
+    DDP over 2 ranks), from one launch."""
+    args = {layout.name: layout.script_args() for layout in LAYOUTS}
+    args["ddp"] = ["--strategy", "ddp", "--dp", 2, "--devices", 2]
+
+    def run(name: str, folder: Path) -> dict[str, dict]:
+        results = run_sweep([*args[name], "--out", folder / "parallel.pt"], [{"model": m} for m in MODEL_NAMES])
+        return dict(zip(MODEL_NAMES, results))
+
+    return cached_runs(run, tmp_path_factory, "layout")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 @pytest.mark.parametrize("model", MODEL_NAMES)
-def test_layout_matches_reference(model: str, layout: Layout, reference_run: ReferenceFn, tmp_path: Path) -> None:
+def test_layout_matches_reference(model: str, layout: Layout, reference_run: ReferenceFn, layout_runs) -> None:
     reference = reference_run(model, layout.dp_size)
-    parallel = run_script(["--model", model, *layout.script_args(), "--out", tmp_path / "parallel.pt"])
-    print(f"{model}/{layout.name}: reference {reference['run_s']:.1f}s, parallel {parallel['run_s']:.1f}s")
+    parallel = layout_runs(layout.name)[model]
     assert parallel["world_size"] == layout.devices
     assert_equivalent(reference, parallel, rtol=RTOL)
+    # test() and predict() after fit reuse the strategy's mesh: no process groups (and their threads) added.
+    after_fit, after_evaluation = parallel["process_groups"]
+    assert after_fit > 1 and after_evaluation == after_fit
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODEL_NAMES)
-def test_ddp_matches_reference(model: str, reference_run: ReferenceFn, tmp_path: Path) -> None:
+def test_ddp_matches_reference(model: str, reference_run: ReferenceFn, layout_runs) -> None:
     """Lightning's own DDP must match the reference: validates the harness (data order, loss logging, gather)."""
     reference = reference_run(model, 2)
-    ddp = run_script(["--model", model, "--strategy", "ddp", "--dp", 2, "--devices", 2, "--out", tmp_path / "ddp.pt"])
-    print(f"{model}/ddp: reference {reference['run_s']:.1f}s, ddp {ddp['run_s']:.1f}s")
+    ddp = layout_runs("ddp")[model]
     report = assert_equivalent(reference, ddp, rtol=RTOL)
     # DDP differs from the reference only by summation order; keep a margin so the 1e-5 budget is meaningful.
     assert report["param_max_rel"] < RTOL / 5
