@@ -38,4 +38,7 @@ def run_cli(cli_class: type[LightningCLI], model_class: type[LightningModule],
         parser_kwargs={name: defaults for name in LightningCLI.subcommands()},
         args=with_subcommand(sys.argv[1:] if args is None else args),
         auto_configure_optimizers=False,  # the modules configure their own optimizers
+        # The checkpoints keep the modules' own hyperparameters (plain values), not LightningCLI's parsed config and
+        # its `_instantiator`, which the Hugging Face export would pass to the constructor as one more argument.
+        load_from_checkpoint_support=False,
     )
