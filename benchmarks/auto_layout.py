@@ -1,9 +1,9 @@
 """What ``HybridStrategy(tp="auto", pp="auto")`` chooses on this machine, and whether measurement agrees.
 
 Runs ``recipes/pretrain_gpt.py`` with its YAML defaults (GPT of 4 blocks, width 128, 16 sequences of 64 tokens per
-data-parallel rank, fp32, CPU) on ``--devices`` processes: once with ``--dp auto --tp auto --pp auto`` (the strategy
+data-parallel rank, fp32, CPU) on ``--devices`` processes: once with dp, tp and pp ``auto`` (the strategy
 probes this machine — matmul FLOP/s, all-reduce latency and bandwidth — and chooses), then once per layout of that
-many processes, with dp and tp fixed and ``--pp auto`` so that the layout is the planner's only candidate and its
+many processes, with dp and tp fixed and pp ``auto`` so that the layout is the planner's only candidate and its
 prediction is logged too. For each run: the layout and predicted memory and tokens/s from the strategy's log line,
 and the tokens/s ``ParallelMonitor`` measured (median of its logging windows after the first; each data-parallel
 replica's tokens counted once, as the planner counts them). A layout is a good choice if no other measured faster.
@@ -33,8 +33,8 @@ CHOICE = re.compile(r"chose (?P<layout>.+?) for \d+ devices: predicted (?P<memor
 
 def run_recipe(degrees: list[str], devices: int, max_steps: int, log_dir: Path) -> dict[str, str | float]:
     """One recipe run; its choice line and measured median tokens/s."""
-    command = [sys.executable, str(REPO / "recipes" / "pretrain_gpt.py"), "--devices", str(devices), *degrees,
-               "--max-steps", str(max_steps), "--log-dir", str(log_dir)]
+    command = [sys.executable, str(REPO / "recipes" / "pretrain_gpt.py"), "--trainer.devices", str(devices), *degrees,
+               "--trainer.max_steps", str(max_steps), "--trainer.logger.save_dir", str(log_dir)]
     output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     match = CHOICE.search(output.stdout + output.stderr)
     if output.returncode or match is None:
@@ -46,13 +46,18 @@ def run_recipe(degrees: list[str], devices: int, max_steps: int, log_dir: Path) 
             "predicted": float(match["tokens"].replace(",", "")), "measured": statistics.median(measured)}
 
 
+def strategy_degrees(dp: int | str, tp: int | str, pp: int | str) -> list[str]:
+    """The recipe's options for these degrees."""
+    return ["--trainer.strategy.dp", str(dp), "--trainer.strategy.tp", str(tp), "--trainer.strategy.pp", str(pp)]
+
+
 def single_candidate_degrees(devices: int) -> list[list[str]]:
     """dp and tp fixed, pp left to the planner (so it is the only candidate and gets estimated)."""
     runs = []
     for tp in range(1, devices + 1):
         for pp in range(1, devices // tp + 1):
             if devices % (tp * pp) == 0:
-                runs.append(["--dp", str(devices // (tp * pp)), "--tp", str(tp), "--pp", "auto"])
+                runs.append(strategy_degrees(devices // (tp * pp), tp, "auto"))
     return runs
 
 
@@ -62,7 +67,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=40, help="per run; the monitor logs every 10 steps")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="auto-layout-") as folder:
-        chosen = run_recipe(["--dp", "auto", "--tp", "auto", "--pp", "auto"], args.devices, args.max_steps,
+        chosen = run_recipe(strategy_degrees("auto", "auto", "auto"), args.devices, args.max_steps,
                             Path(folder) / "auto")
         rows = [run_recipe(degrees, args.devices, args.max_steps, Path(folder) / str(index))
                 for index, degrees in enumerate(single_candidate_degrees(args.devices))]

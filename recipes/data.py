@@ -18,6 +18,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import random
 
 import lightning.pytorch as pl
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["CharTokenizer", "GrammarDataModule", "TokenWindowDataset", "generate_corpus"]
+__all__ = ["CharTokenizer", "GrammarDataModule", "TokenWindowDataset", "generate_corpus", "padded_vocab_size"]
 
 # --- grammar -----------------------------------------------------------------
 
@@ -180,11 +181,19 @@ class TokenWindowDataset(Dataset[tuple[Tensor, Tensor]]):
         return chunk[:-1], chunk[1:]
 
 
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """Round up so the LM head / embedding can be split evenly across tp ranks."""
+    return math.ceil(vocab_size / multiple) * multiple
+
+
 class GrammarDataModule(pl.LightningDataModule):
     """Train/val dataloaders over the generated corpus (first 90% train, last 10% val).
 
     The corpus and tokenizer are built eagerly in ``__init__`` (it takes well
-    under a second) so the vocabulary size is known before the model is built.
+    under a second) so the vocabulary size is known before the model is built:
+    :attr:`vocab_size` is the model vocabulary this data needs, the tokenizer's
+    rounded up to a multiple of ``vocab_multiple`` (divisible by tp, so the
+    embedding and LM head split evenly over the tensor-parallel ranks).
     Under a distributed strategy Lightning swaps in a ``DistributedSampler``
     using the strategy's ``distributed_sampler_kwargs``.
     """
@@ -198,8 +207,10 @@ class GrammarDataModule(pl.LightningDataModule):
         stride: int | None = None,
         num_workers: int = 0,
         seed: int = 1234,
+        vocab_multiple: int = 1,
     ) -> None:
         super().__init__()
+        self.vocab_multiple = vocab_multiple
         self.block_size = block_size
         self.batch_size = batch_size
         self.stride = stride
@@ -212,6 +223,11 @@ class GrammarDataModule(pl.LightningDataModule):
         self.train_tokens, self.val_tokens = tokens[:split], tokens[split:]
         self.train_set: TokenWindowDataset | None = None
         self.val_set: TokenWindowDataset | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The model vocabulary: the tokenizer's, padded up to a multiple of ``vocab_multiple``."""
+        return padded_vocab_size(self.tokenizer.vocab_size, self.vocab_multiple)
 
     def setup(self, stage: str | None = None) -> None:
         self.train_set = TokenWindowDataset(self.train_tokens, self.block_size, self.stride)

@@ -16,7 +16,7 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -170,7 +170,7 @@ class GPTLightning(pl.LightningModule):
 
     def __init__(
         self,
-        config: GPTConfig | Mapping[str, Any],
+        config: GPTConfig,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 20,
@@ -178,7 +178,10 @@ class GPTLightning(pl.LightningModule):
     ) -> None:
         super().__init__()
         # Accept a plain dict too, so ``load_from_checkpoint`` can rebuild the
-        # module from the (YAML-friendly) hyperparameters saved below.
+        # module from the (YAML-friendly) hyperparameters saved below. The hint
+        # names GPTConfig alone: LightningCLI then reads ``config`` as a group of
+        # fields, which a configuration can set and link one by one (a union with
+        # Mapping would be one opaque value).
         if not isinstance(config, GPTConfig):
             config = GPTConfig(**config)
         self.config = config

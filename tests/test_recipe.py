@@ -1,15 +1,26 @@
 """The main recipe runs with the strategy on CPU and writes TensorBoard logs that hold the training loss, the
-strategy monitor's figures and the pipeline timeline; the progress bar shows the loss and tokens/s."""
+strategy monitor's figures and the pipeline timeline; the progress bar shows the loss and tokens/s. Both recipes are
+LightningCLI programs: their configuration round-trips through ``--print_config``, and command-line options reach
+``HybridStrategy`` and the links fill the derived values (checked without training)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
+import yaml
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_hybrid import HybridStrategy
+from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan
+from recipes import finetune_hf, pretrain_gpt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,17 +28,20 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_recipe_defaults_train_tp_x_pp_and_log_to_tensorboard(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "recipes/pretrain_gpt.py", "--max-steps", "20", "--log-dir", str(tmp_path),
-               "--timeline-every-n-steps", "10", "--peak-flops", "1e11"]
+    command = [sys.executable, "recipes/pretrain_gpt.py", "--trainer.max_steps", "20",
+               "--trainer.logger.save_dir", str(tmp_path), "--trainer.strategy.monitor.timeline_every_n_steps", "10",
+               "--trainer.strategy.monitor.peak_flops", "1e11"]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     output = done.stdout + done.stderr
     assert "tensor-parallel plan (tp=2)" in output
     assert "pipeline 1f1b over 2 stages, blocks per stage [2, 2], 2 microbatches" in output
     assert "tokens/s:" in done.stdout and "loss:" in done.stdout  # Lightning's progress bar
+    assert "=== pretrain_gpt summary ===" in done.stdout and "steps: 20" in done.stdout
 
     events = sorted(tmp_path.rglob("events.out.tfevents.*"))
     assert events, f"no TensorBoard event file under {tmp_path}"
+    assert (events[0].parent / "config.yaml").is_file()  # LightningCLI saves the run's configuration with its logs
     accumulator = EventAccumulator(str(events[0].parent), size_guidance={"images": 0})
     accumulator.Reload()
     losses = [event.value for event in accumulator.Scalars("train_loss")]
@@ -47,7 +61,7 @@ def test_fine_tuning_recipe_loads_trains_exports_and_reloads_with_from_pretraine
     """recipes/finetune_hf.py with its defaults (tp=2 x pp=2 on 4 CPU processes): a saved Hugging Face checkpoint
     read into the shards, fine-tuned, exported, and reloaded by transformers, better than before."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "recipes/finetune_hf.py", "--max-steps", "20", "--out", str(tmp_path)]
+    command = [sys.executable, "recipes/finetune_hf.py", "--trainer.max_steps", "20", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = {line.split(":")[0]: line for line in done.stdout.splitlines() if ": " in line and "val loss" in line}
@@ -58,3 +72,55 @@ def test_fine_tuning_recipe_loads_trains_exports_and_reloads_with_from_pretraine
     accumulator = EventAccumulator(str(events[0].parent))
     accumulator.Reload()
     assert len(accumulator.Scalars("train_loss")) == 2  # logged every 10 of 20 steps
+
+
+def printed_config(recipe: Callable[[list[str]], Any], args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``recipe`` prints for ``args + ["--print_config"]`` (it exits after printing)."""
+    with pytest.raises(SystemExit) as exited:
+        recipe([*args, "--print_config"])
+    assert exited.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe", [pretrain_gpt.main, finetune_hf.main], ids=["pretrain_gpt", "finetune_hf"])
+def test_print_config_round_trips_and_shows_the_strategy_options(
+    recipe: Callable[[list[str]], Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    printed = printed_config(recipe, ["--trainer.strategy.tp", "4", "--trainer.strategy.pp", "1"], capsys)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(printed)
+    assert printed_config(recipe, ["--config", str(saved)], capsys) == printed
+    strategy = yaml.safe_load(printed)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_hybrid.HybridStrategy"
+    assert (strategy["init_args"]["tp"], strategy["init_args"]["pp"]) == (4, 1)
+
+
+def test_command_line_reaches_the_strategy_and_links_fill_derived_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default subcommand is fit; Trainer.fit is replaced (keeping its signature, from which LightningCLI takes
+    fit's options) so that the recipe builds everything and trains nothing."""
+    fits: list[dict[str, Any]] = []
+
+    @functools.wraps(Trainer.fit)
+    def record_fit(trainer: Trainer, **kwargs: Any) -> None:
+        fits.append(kwargs)
+
+    monkeypatch.setattr(Trainer, "fit", record_fit)
+    cli = pretrain_gpt.main([
+        "--trainer.strategy.tp", "4", "--trainer.strategy.pp", "1", "--trainer.strategy.activation_checkpointing", "2",
+        "--trainer.strategy.monitor.peak_flops", "1e11", "--trainer.logger.save_dir", str(tmp_path),
+        "--trainer.max_steps", "30", "--data.num_chars", "20000",
+    ])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, HybridStrategy)
+    assert (strategy.options.dp, strategy.options.tp, strategy.options.pp) == ("auto", 4, 1)
+    assert strategy.options.checkpointing == CheckpointPlan(every=2)  # "2" read as every 2nd block, not a name
+    assert cli.config.fit.trainer.strategy.init_args.monitor.init_args.peak_flops == 1e11
+    assert [fit["ckpt_path"] for fit in fits] == ["last"]
+    # The links: the data's padded vocabulary, the model's block size, the schedule's length, the checkpoint folder.
+    assert cli.model.config.vocab_size == 64 > cli.datamodule.tokenizer.vocab_size
+    assert cli.datamodule.block_size == cli.model.config.block_size == 64
+    assert cli.model.max_steps == cli.trainer.max_steps == 30
+    (checkpoint,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, ModelCheckpoint)]
+    assert Path(checkpoint.dirpath) == tmp_path / "checkpoints" and checkpoint.save_top_k == 2

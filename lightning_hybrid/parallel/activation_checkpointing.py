@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_hybrid._compat import existing_ops
 
-ActivationCheckpointing = Union[None, str, int]
+# int before the names: a configuration parser (LightningCLI) then reads "2" as every 2nd block, not a bad mode.
+ActivationCheckpointing = Optional[Union[int, Literal["none", "every", "selective"]]]
 
 #: Operations whose outputs selective checkpointing keeps: the expensive ones to recompute (matmuls, attention)
 #: and collectives, whose recompute would add communication to backward. Attention kernels and functional

@@ -3,14 +3,15 @@
 #
 # When any process fails (killed, out of memory, a crash, a lost node), torchrun stops the others and starts all
 # of them again, up to MAX_RESTARTS times. Every attempt runs the same command, and the recipe resumes from the
-# newest complete checkpoint in <log-dir>/checkpoints (its default --ckpt-path last; checkpoints are written
+# newest complete checkpoint in <save_dir>/checkpoints (--ckpt_path last, its default too; checkpoints are written
 # every checkpoint.every_n_train_steps steps): a restart loses at most the steps since that checkpoint.
 #
-# Usage (from the repository root; arguments after the script go to the recipe):
+# Usage (from the repository root; arguments after the script go to the recipe's `fit`, in LightningCLI syntax):
 #   recipes/launch/torchrun.sh                                         # one node, 4 processes, the yaml layout
-#   NPROC_PER_NODE=2 recipes/launch/torchrun.sh --dp 2 --tp 1 --pp 1 --max-steps 100
+#   NPROC_PER_NODE=2 recipes/launch/torchrun.sh --trainer.strategy.tp 1 --trainer.strategy.pp 1 --trainer.max_steps 100
 #   # two nodes: the same line on each, RDZV_ENDPOINT a host:port that every node reaches (the first node's)
-#   NNODES=2 RDZV_ENDPOINT=node0:29400 NPROC_PER_NODE=8 recipes/launch/torchrun.sh --accelerator gpu --tp 8
+#   NNODES=2 RDZV_ENDPOINT=node0:29400 NPROC_PER_NODE=8 recipes/launch/torchrun.sh --trainer.accelerator gpu \
+#     --trainer.strategy.tp 8
 #
 # Environment: NPROC_PER_NODE (4), NNODES (1), MAX_RESTARTS (3), RDZV_ENDPOINT (needed when NNODES > 1),
 # RDZV_ID (a name shared by the nodes of one job; default the SLURM job id, else "pretrain-gpt"), PYTHON (python).
@@ -35,4 +36,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS" "${rendezvous[@]}" \
-  recipes/pretrain_gpt.py --devices "$NPROC_PER_NODE" --num-nodes "$NNODES" --ckpt-path last "$@"
+  recipes/pretrain_gpt.py fit --trainer.devices "$NPROC_PER_NODE" --trainer.num_nodes "$NNODES" --ckpt_path last "$@"
