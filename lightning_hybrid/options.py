@@ -199,8 +199,11 @@ class HybridOptions:
 
     def with_degrees(self, dp: int, tp: int, pp: int, dp_replicate: int) -> "HybridOptions":
         """These options with a chosen layout's degrees (the schedule resolved for its pp); ``cluster``, which
-        served the choice, is dropped."""
-        return replace(self, dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=self.zero_given, cluster=None)
+        served the choice, is dropped, and so are the pipeline options when the layout has no pipeline (they were
+        given for the case that one is chosen)."""
+        no_pipeline = dict(microbatches=None, virtual_stages=None, pp_split=None) if pp == 1 else {}
+        return replace(self, dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=self.zero_given, cluster=None,
+                       **no_pipeline)
 
     def _checked_pipeline(self) -> Optional[PipelineSchedule]:
         if self.pp == AUTO:

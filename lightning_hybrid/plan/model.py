@@ -141,12 +141,32 @@ def instantiate_on_meta(target: str, kwargs: Mapping[str, Any]) -> nn.Module:
     module_class = import_class(target)
     try:
         with torch.device("meta"):  # no memory and no initialization: any size can be measured
-            module = module_class(**kwargs)
+            module = _construct(module_class, kwargs)
             if callable(getattr(module, "configure_model", None)):
                 module.configure_model()
     except Exception as error:  # the user's constructor: report it as bad input, with its message
         raise ValueError(f"Building {target}(**{dict(kwargs)!r}) on the meta device failed: {error!r}") from error
     return module
+
+
+#: The one rebuilding function a checkpoint may name (``_instantiator``), as in Lightning's own allowlist.
+LIGHTNING_CLI_INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
+
+
+def _construct(module_class: type, kwargs: Mapping[str, Any]) -> nn.Module:
+    """``module_class(**kwargs)``; the hyper-parameters of a ``LightningCLI`` run name its ``instantiate_module`` as
+    ``_instantiator`` and keep nested classes as config dicts, so they are rebuilt through it, as Lightning's
+    ``load_from_checkpoint`` does."""
+    kwargs = dict(kwargs)
+    instantiator = kwargs.pop("_instantiator", None)
+    if instantiator is None:
+        return module_class(**kwargs)
+    if instantiator != LIGHTNING_CLI_INSTANTIATOR:
+        raise ValueError(f"The checkpoint names the instantiator {instantiator!r}; only {LIGHTNING_CLI_INSTANTIATOR}"
+                         " is trusted (pass the constructor's arguments with module_kwargs= / --module-kwargs).")
+    from lightning.pytorch.cli import instantiate_module  # needs jsonargparse, as LightningCLI does
+
+    return instantiate_module(module_class, kwargs)
 
 
 def import_class(target: str) -> type:

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_hybrid.checkpoint.export import load_module_state
 from lightning_hybrid.checkpoint.hf_export import export_hugging_face
 from lightning_hybrid.checkpoint.resume import module_class_path
-from lightning_hybrid.plan.model import import_class
+from lightning_hybrid.plan.model import import_class, instantiate_on_meta
 from tests.helpers import cached_runs, run_script
 from tests.models import LMLightningModule, build_module
 
@@ -154,6 +154,20 @@ def test_the_module_class_is_recorded_importably_also_for_a_class_defined_in_the
     assert module_class_path(type("Local", (), {"__qualname__": "f.<locals>.Local"})) is None
 
 
+def test_hyperparameters_saved_by_a_lightning_cli_run_rebuild_the_module_through_its_instantiator() -> None:
+    """LightningCLI records ``_instantiator`` beside the constructor's arguments (nested classes as config dicts):
+    the export rebuilds through it, as ``load_from_checkpoint`` does, and trusts no other function."""
+    from recipes.gpt import GPTConfig
+
+    hparams = {"config": {"vocab_size": 64, "n_layer": 2, "n_embd": 32}, "lr": 1e-3,
+               "_instantiator": "lightning.pytorch.cli.instantiate_module"}
+    module = instantiate_on_meta("recipes.gpt:GPTLightning", hparams)  # once: "unexpected keyword _instantiator"
+    assert module.config == GPTConfig(vocab_size=64, n_layer=2, n_embd=32) and module.lr == 1e-3
+    assert {p.device.type for p in module.parameters()} == {"meta"}
+    with pytest.raises(ValueError, match=r"instantiator 'os.system'; only lightning.pytorch.cli.instantiate_module"):
+        instantiate_on_meta("recipes.gpt:GPTLightning", {**hparams, "_instantiator": "os.system"})
+
+
 #: Run in a fresh interpreter: for each shard size, the export's peak resident memory above what the process held
 #: before it (the kernel's high-water mark, reset just before each export; memory the previous export freed is
 #: first handed back to the system, so the allocator cannot serve this one from it unseen).
@@ -162,7 +176,7 @@ import ctypes, gc, json, sys
 from pathlib import Path
 from lightning_hybrid.checkpoint.hf_export import export_hugging_face
 from lightning_hybrid.checkpoint.resume import module_class_path
-from lightning_hybrid.plan.model import import_class
+from lightning_hybrid.plan.model import import_class, instantiate_on_meta
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 growths = []

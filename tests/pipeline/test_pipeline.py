@@ -86,6 +86,14 @@ def test_pipeline_options_need_pp() -> None:
         HybridStrategy(microbatches=4)
 
 
+def test_pipeline_options_given_for_an_automatic_layout_apply_only_if_it_has_a_pipeline() -> None:
+    options = HybridOptions(tp="auto", pp="auto", microbatches=2, pp_schedule="1f1b")
+    without = options.with_degrees(dp=2, tp=2, pp=1, dp_replicate=1)  # once raised "are pipeline options"
+    assert (without.pp, without.microbatches, without.pipeline_schedule) == (1, None, None)
+    with_pipeline = options.with_degrees(dp=1, tp=2, pp=2, dp_replicate=1)
+    assert (with_pipeline.microbatches, with_pipeline.pipeline_schedule.name) == (2, "1f1b")
+
+
 def test_pipelines_keep_parameters_gathered_unless_zero_3_is_asked_for() -> None:
     assert HybridStrategy(pp=2, pp_schedule="interleaved_zero_bubble").options.zero == 2
     assert HybridStrategy(pp=2, pp_schedule="1f1b").options.zero == 2  # one all-gather per block and step
