@@ -27,6 +27,9 @@ LAYOUTS: dict[str, tuple[list[Any], int]] = {
     "pp2_zbv": (["--pp", 2, "--devices", 2, "--strategy-kwargs", '{"pp_schedule": "zbv_zero_bubble"}'], 1),
     "dp2_tp2_pp2": (["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8], 2),
 }
+#: Layouts whose launches run only with ``-m extended`` (4 and 8 ranks on 2 cores: about 10 minutes together); the
+#: layouts they combine run in the default suite, and the 3-D layout on the test models there too.
+EXTENDED_LAYOUTS = {"dp2_pp2", "pp2_zbv", "dp2_tp2_pp2"}
 #: Family → the layouts it is trained under.
 CASES: dict[str, tuple[str, ...]] = {
     "titan": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
@@ -97,8 +100,13 @@ def zoo_runs(tmp_path_factory: pytest.TempPathFactory):
     return cached_runs(run, tmp_path_factory, "zoo")
 
 
+def _cases(layout_filter=lambda layout: True) -> list:
+    return [pytest.param(model, layout, marks=[pytest.mark.extended] if layout in EXTENDED_LAYOUTS else [])
+            for model, layouts in CASES.items() for layout in layouts if layout_filter(layout)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "layout"), [(m, layout) for m, layouts in CASES.items() for layout in layouts])
+@pytest.mark.parametrize(("model", "layout"), _cases())
 def test_zoo_family_trains_like_single_device(model: str, layout: str, zoo_references, zoo_runs) -> None:
     reference = zoo_references(str(LAYOUTS[layout][1]))[model]
     result = zoo_runs(layout)[model]
@@ -109,8 +117,7 @@ def test_zoo_family_trains_like_single_device(model: str, layout: str, zoo_refer
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "layout"), [(m, layout) for m, layouts in CASES.items() for layout in layouts
-                                               if "tp" in layout])
+@pytest.mark.parametrize(("model", "layout"), _cases(lambda layout: "tp" in layout))
 def test_zoo_embedding_and_head_are_sharded_over_the_vocabulary(model: str, layout: str, zoo_runs) -> None:
     """Under tp the token embedding and the head hold a 1/tp slice of the vocabulary's rows (1/(tp·dp) with
     FSDP2's data sharding on top), tied pairs included, also held on the first and the last pipeline stage; the

