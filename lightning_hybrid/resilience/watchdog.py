@@ -339,7 +339,7 @@ class Watchdog(Callback):
                                        trainer.global_rank, self.timeout, store_address=f"{host}:{port}")
             self.heartbeat.start()
 
-    def _start_loop(self, trainer: Trainer) -> None:
+    def _start_loop(self, trainer: Trainer, *_: Any) -> None:
         self.watch(trainer)  # a watchdog added after setup starts here
         if self.heartbeat is not None and self.heartbeat.phase == SETUP_PHASE:
             self.heartbeat.phase = "start"  # the progress bound applies from here
@@ -361,21 +361,7 @@ class Watchdog(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.watch(trainer)  # before the strategy's setup: a rank frozen while it traces or loads is named
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start_loop(trainer)
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start_loop(trainer)
-
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start_loop(trainer)
-
-    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start_loop(trainer)
-
-    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start_loop(trainer)
-
+    on_fit_start = on_train_start = on_validation_start = on_test_start = on_predict_start = _start_loop
     on_train_epoch_start = _warm
     on_save_checkpoint = _warm
 
