@@ -11,10 +11,12 @@ overrides) and the two reached through :func:`setup_process_group` and :func:`ca
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -190,7 +192,18 @@ def read_dcp_in_one_process(folder: Path, keys: set[str]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- Lightning
 def setup_process_group(strategy: Any) -> None:
     """``ModelParallelStrategy._setup_distributed()``: the process group and the cluster environment's ranks,
-    without the 2-D mesh the public ``setup_environment()`` builds next (the hybrid strategy builds its own)."""
+    without the 2-D mesh the public ``setup_environment()`` builds next (the hybrid strategy builds its own).
+
+    Under torchrun the workers share the agent's store, which outlives a failed attempt with its gloo addresses:
+    a restarted rank starting well before its peer read the dead peer's address and hung. The group is created
+    first over keys of this attempt only (Lightning then finds it initialized and keeps it)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                    timeout=strategy._timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(strategy._get_process_group_backend(), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=strategy._timeout,
+                                store=dist.PrefixStore(f"lightning_hybrid/attempt_{attempt}/", agent_store))
     strategy._setup_distributed()
 
 
