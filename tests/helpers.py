@@ -110,18 +110,41 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Pa
 
 def wait_or_kill(procs: Sequence[subprocess.Popen], timeout_s: float) -> bool:
     """Wait for every process; past ``timeout_s`` kill each one's process group (each must lead one:
-    ``start_new_session=True``), so no rank or torchrun worker outlives the test. ``False`` if it timed out."""
+    ``start_new_session=True``) and every process below it, so no rank or torchrun worker outlives the test.
+    ``False`` if it timed out."""
     deadline = time.monotonic() + timeout_s
     try:
         for proc in procs:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         return True
     except subprocess.TimeoutExpired:
-        for proc in procs:
+        # Found before any is killed: a killed agent's workers are re-parented and no longer below it.
+        below = [pid for proc in procs for pid in _descendants(proc.pid)]
+        for pid in [proc.pid for proc in procs] + below:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # what it started in its group (a worker leads its own)
+        for proc in procs:
             proc.wait()
         return False
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``. torchrun starts each worker in a session of its own, so killing the
+    agent's process group leaves the workers running; they are found by their parent ids in ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (command) state ppid ...": the command may hold spaces and parentheses, so split after it.
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, pending = [], [pid]
+    while pending:
+        below = children.get(pending.pop(), [])
+        found += below
+        pending += below
+    return found
 
 
 def rank_environment(rank: int, devices: int, num_nodes: int, port: int, launcher: Launcher) -> dict[str, str]:
