@@ -68,6 +68,12 @@ What is saved (``torch.save`` on global rank 0)
                   wall seconds per checkpoint save and load.
 ``start_step``, ``restart_count``  the step training started at (the resumed checkpoint's) and, under ``torchrun
                   --max-restarts``, which attempt this was (0 for the first).
+``num_nodes``, ``cluster_environment``  ``trainer.num_nodes`` and the class name of the cluster environment
+                  Lightning chose (``TorchElasticEnvironment`` under torchrun, ``SLURMEnvironment`` under srun;
+                  ``NoneType`` on one device: single-device strategies have none).
+``rank_placement``  per global rank, where it runs and which mesh groups it is in: ``global_rank``, ``node_rank``,
+                  ``local_rank`` (as Lightning sees them) and, under HybridStrategy, ``tp_ranks`` / ``pp_ranks``: the
+                  global ranks of its tensor-parallel group and of its pipeline group.
 ``global_step``, ``args``, ``world_size``, ``wall_s``.
 """
 
@@ -426,6 +432,19 @@ def _all_gather(value: Any) -> list[Any]:
     return gathered
 
 
+def _rank_placement(trainer: pl.Trainer) -> dict[str, Any]:
+    """Where this rank runs (as Lightning sees it) and the global ranks of its tensor-parallel and pipeline groups:
+    what a multi-node test checks against the mesh order (tensor parallelism inside a node)."""
+    placement: dict[str, Any] = {
+        "global_rank": trainer.global_rank, "node_rank": trainer.node_rank, "local_rank": trainer.local_rank,
+    }
+    mesh = getattr(trainer.strategy, "device_mesh", None)  # HybridStrategy's 4-D mesh; DDP has none
+    for dim in ("tp", "pp"):
+        if mesh is not None and dim in (mesh.mesh_dim_names or ()):
+            placement[f"{dim}_ranks"] = mesh[dim].mesh.flatten().tolist()
+    return placement
+
+
 def _gather_to_rank0(value: Any) -> list[Any]:
     """Every rank's ``value`` on rank 0 (``[value]`` in a single process)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -448,7 +467,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--strategy-kwargs", type=json.loads, default={}, help="extra HybridStrategy keyword arguments, as JSON"
     )
-    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--devices", type=int, default=1, help="processes per node")
+    parser.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...): nodes of the launch")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (max_steps)")
     parser.add_argument("--global-batch", type=int, default=8, help="samples per micro-step over all dp ranks")
     parser.add_argument("--num-samples", type=int, default=64, help="training sequences")
@@ -491,8 +511,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--reference runs one process: use --devices 1 (the dp flags only set the data order)")
     if not args.reference and args.strategy == "ddp" and (args.tp, args.pp, args.dp_replicate) != (1, 1, 1):
         parser.error("--strategy ddp supports only data parallelism (--tp 1 --pp 1 --dp-replicate 1)")
-    if not args.reference and args.strategy == "ddp" and args.devices != args.dp:
-        parser.error("--strategy ddp needs --devices == --dp")
+    if args.reference and args.num_nodes != 1:
+        parser.error("--reference runs one process: use --num-nodes 1")
+    if not args.reference and args.strategy == "ddp" and args.devices * args.num_nodes != args.dp:
+        parser.error("--strategy ddp needs --devices × --num-nodes == --dp")
     return args
 
 
@@ -620,6 +642,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=make_strategy(args, sweep_entry, tensorboard),
         precision=args.precision,
         max_steps=args.steps,
@@ -644,6 +667,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
     })
     fit_step = trainer.global_step
     groups_after_fit = _process_group_count()
+    placements = _gather_to_rank0(_rank_placement(trainer))
     # Evaluation after fit: test_step through the strategy, and predict_step (each rank predicts its data shard).
     test_loss = trainer.test(module, dataloaders=val, verbose=False)[0]["test_loss"]
     predictions = trainer.predict(module, dataloaders=val)
@@ -695,6 +719,10 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "auto_layout": str(trainer.strategy.layout_estimate.layout)
             if getattr(trainer.strategy, "layout_estimate", None) else None,
             "world_size": trainer.world_size,
+            "num_nodes": trainer.num_nodes,
+            # Single-device strategies have no cluster environment.
+            "cluster_environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
+            "rank_placement": placements,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "sweep_entry": recorded_entry,
             "wall_s": wall_s,

@@ -10,11 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,8 @@ import torch.multiprocessing as mp
 from tests.equivalence import sweep_out
 
 T = TypeVar("T")
+#: Whose environment the ranks a test starts get: torchrun's variables or srun's (see :func:`rank_environment`).
+Launcher = Literal["torchrun", "srun"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "tests" / "equivalence.py"
@@ -38,7 +41,8 @@ class ScriptError(RuntimeError):
 
 
 def run_script(
-    args: Sequence[str | int | os.PathLike[str]], nprocs_timeout: float = DEFAULT_TIMEOUT_S
+    args: Sequence[str | int | os.PathLike[str]], nprocs_timeout: float = DEFAULT_TIMEOUT_S,
+    launcher: Launcher = "torchrun",
 ) -> dict[str, Any]:
     """Run ``tests/equivalence.py`` with ``args`` (must include ``--out PATH``) and load its result.
 
@@ -46,11 +50,13 @@ def run_script(
     would give them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), which Lightning detects and then
     does not launch processes itself: importing torch and Lightning (~6 s per process here) runs in all ranks at
     once instead of rank 0 first and the others after it. (The recipe test covers Lightning's own launcher.)
+    ``--devices × --num-nodes`` ranks start; ``launcher="srun"`` gives them the variables srun sets instead
+    (see :func:`rank_environment`).
     ``OMP_NUM_THREADS=1`` because several ranks share few cores and oversubscription makes gloo runs crawl.
     Returns the saved dict with ``run_s`` (wall time until every rank exited) added.
     """
     args = [str(a) for a in args]
-    out, run_s = _launch(args, nprocs_timeout)
+    out, run_s = _launch(args, nprocs_timeout, launcher=launcher)
     result: dict[str, Any] = torch.load(out, map_location="cpu", weights_only=False)
     result["run_s"] = run_s
     return result
@@ -80,7 +86,8 @@ def run_sweep(
     return results
 
 
-def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Path = SCRIPT) -> tuple[Path, float]:
+def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Path = SCRIPT,
+            launcher: Launcher = "torchrun") -> tuple[Path, float]:
     """Start every rank of ``script args`` (default ``equivalence.py``), wait for all; returns ``(--out path,
     seconds)``."""
     if "--out" not in args:
@@ -90,18 +97,10 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Pa
     for path in expected:
         path.unlink(missing_ok=True)  # never load a stale result from an earlier run
     start = time.perf_counter()
-    procs, logs = start_ranks(args, out, script)
+    procs, logs = start_ranks(args, out, script, launcher)
     command = " ".join(procs[0].args)
-    deadline = time.monotonic() + nprocs_timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        raise ScriptError(f"timed out after {nprocs_timeout:.0f}s: {command}\n{_tails(logs)}") from None
+    if not wait_or_kill(procs, nprocs_timeout):
+        raise ScriptError(f"timed out after {nprocs_timeout:.0f}s: {command}\n{_tails(logs)}")
     run_s = time.perf_counter() - start
     failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
     if failed or not all(path.exists() for path in expected):
@@ -109,19 +108,76 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Pa
     return out, run_s
 
 
-def start_ranks(args: list[str], out: Path, script: Path = SCRIPT) -> tuple[list[subprocess.Popen], list[Path]]:
-    """Start every rank (``--devices``) of ``script args`` (default ``equivalence.py``) without waiting; rank ``r`` writes its output to
-    ``<out stem>.rank<r>.log`` beside ``out`` and leads its own process group (``os.killpg`` ends it)."""
+def wait_or_kill(procs: Sequence[subprocess.Popen], timeout_s: float) -> bool:
+    """Wait for every process; past ``timeout_s`` kill each one's process group (each must lead one:
+    ``start_new_session=True``) and every process below it, so no rank or torchrun worker outlives the test.
+    ``False`` if it timed out."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        # Found before any is killed: a killed agent's workers are re-parented and no longer below it.
+        below = [pid for proc in procs for pid in _descendants(proc.pid)]
+        for pid in [proc.pid for proc in procs] + below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # what it started in its group (a worker leads its own)
+        for proc in procs:
+            proc.wait()
+        return False
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``. torchrun starts each worker in a session of its own, so killing the
+    agent's process group leaves the workers running; they are found by their parent ids in ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (command) state ppid ...": the command may hold spaces and parentheses, so split after it.
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, pending = [], [pid]
+    while pending:
+        below = children.get(pending.pop(), [])
+        found += below
+        pending += below
+    return found
+
+
+def rank_environment(rank: int, devices: int, num_nodes: int, port: int, launcher: Launcher) -> dict[str, str]:
+    """The variables a launcher gives global rank ``rank`` of ``num_nodes`` nodes × ``devices`` processes, ranks
+    numbered node by node. ``"torchrun"``: what Lightning's default environment reads (``NODE_RANK`` included).
+    ``"srun"``: what ``srun --nodes N --ntasks-per-node D`` sets and ``SLURMEnvironment`` reads (it takes the main
+    address from the node list); ``MASTER_PORT`` too, which it would otherwise derive from the job id."""
+    node_rank, local_rank = divmod(rank, devices)
+    if launcher == "srun":
+        return {"SLURM_NTASKS": str(devices * num_nodes), "SLURM_NTASKS_PER_NODE": str(devices),
+                "SLURM_NNODES": str(num_nodes), "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local_rank),
+                "SLURM_NODEID": str(node_rank), "SLURM_JOB_NAME": "equivalence", "SLURM_NODELIST": "127.0.0.1",
+                "MASTER_PORT": str(port)}
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(devices * num_nodes),
+            "NODE_RANK": str(node_rank), "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
+
+
+def start_ranks(args: list[str], out: Path, script: Path = SCRIPT,
+                launcher: Launcher = "torchrun") -> tuple[list[subprocess.Popen], list[Path]]:
+    """Start every rank (``--devices`` × ``--num-nodes``) of ``script args`` (default ``equivalence.py``) without
+    waiting, with :func:`rank_environment`'s variables; rank ``r`` writes its output to ``<out stem>.rank<r>.log``
+    beside ``out`` and leads its own process group (``os.killpg`` ends it)."""
     devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
-    env = launch_env()
-    if devices > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(devices), NODE_RANK="0")
+    num_nodes = int(args[args.index("--num-nodes") + 1]) if "--num-nodes" in args else 1
+    world_size, port = devices * num_nodes, free_port()
     command = [sys.executable, str(script), *args]
     out.parent.mkdir(parents=True, exist_ok=True)
-    logs = [out.with_name(f"{out.stem}.rank{rank}.log") for rank in range(devices)]
+    logs = [out.with_name(f"{out.stem}.rank{rank}.log") for rank in range(world_size)]
     procs = []
     for rank, log in enumerate(logs):
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if devices > 1 else env
+        rank_env = launch_env()
+        if world_size > 1:
+            rank_env.update(rank_environment(rank, devices, num_nodes, port, launcher))
         with open(log, "w") as stream:
             # Each rank leads its own process group, so a timeout can end it with anything it started.
             procs.append(subprocess.Popen(command, cwd=REPO_ROOT, env=rank_env, stdout=stream,
@@ -129,15 +185,60 @@ def start_ranks(args: list[str], out: Path, script: Path = SCRIPT) -> tuple[list
     return procs, logs
 
 
+def torchrun_command(args: Sequence[str | int | os.PathLike[str]], nnodes: int, node_rank: int, nproc_per_node: int,
+                     rdzv_endpoint: str, max_restarts: int = 0) -> list[str]:
+    """``python -m torch.distributed.run`` over ``tests/equivalence.py args`` for node ``node_rank`` of ``nnodes``,
+    meeting the other nodes' agents through a c10d rendezvous at ``rdzv_endpoint`` (as on a cluster)."""
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "equivalence"]
+    if nnodes > 1:
+        # Every "node" is this host, so each agent would find the endpoint's address to be its own and try to host
+        # the rendezvous store; on a cluster only the endpoint's node does. Say so, as its hostname would there.
+        rendezvous += ["--rdzv-conf", f"is_host={int(node_rank == 0)}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+            "--nproc-per-node", str(nproc_per_node), "--max-restarts", str(max_restarts), *rendezvous, str(SCRIPT),
+            *map(str, args)]
+
+
+def run_torchrun(args: Sequence[str | int | os.PathLike[str]], max_restarts: int = 0, nnodes: int = 1,
+                 nproc_per_node: int = 2, timeout_s: float = 600.0) -> tuple[list[subprocess.CompletedProcess], float]:
+    """One torchrun agent per node (``nnodes`` of them on this host, as ``nnodes`` machines would run them) over
+    ``tests/equivalence.py args``; returns each agent's finished process (stdout and stderr together, as
+    ``stdout``) and the wall seconds until all exited. Past ``timeout_s`` every agent's process group (the agent
+    and its workers) is killed and :class:`ScriptError` raised."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    commands = [torchrun_command(args, nnodes, node, nproc_per_node, endpoint, max_restarts) for node in range(nnodes)]
+    # LOGLEVEL=INFO: torchrun then says when it restarts the worker group. Files, not pipes: an agent blocked on a
+    # full pipe nobody reads would stall the whole job.
+    env = {**launch_env(), "LOGLEVEL": "INFO"}
+    outputs = [tempfile.TemporaryFile("w+") for _ in commands]
+    start = time.perf_counter()
+    agents = [subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True) for command, output in zip(commands, outputs)]
+    finished = wait_or_kill(agents, timeout_s)
+    seconds = time.perf_counter() - start
+    done = []
+    for command, agent, output in zip(commands, agents, outputs):
+        output.seek(0)
+        done.append(subprocess.CompletedProcess(command, agent.returncode, stdout=output.read(), stderr=""))
+        output.close()
+    if not finished:
+        tails = "\n".join(f"--- node {node} (tail) ---\n{d.stdout[-_TAIL_CHARS:]}" for node, d in enumerate(done))
+        raise ScriptError(f"timed out after {timeout_s:.0f}s: {' '.join(commands[0])}\n{tails}")
+    return done, seconds
+
+
 def launch_env() -> dict[str, str]:
     """The environment for ranks started by a test: this checkout importable, one OpenMP thread each (several ranks
-    share few cores and oversubscription makes gloo runs crawl), and no rank variables of an outer launcher."""
+    share few cores and oversubscription makes gloo runs crawl), and no rank variables of an outer launcher (nor
+    SLURM's: inside a SLURM job Lightning would take the job's ranks for the test's)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
     for var in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
                 "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(var, None)
+    for var in [name for name in env if name.startswith("SLURM_")]:
+        env.pop(var)
     return env
 
 

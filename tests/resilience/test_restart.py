@@ -4,35 +4,19 @@ and trains exactly as a run resumed from that checkpoint without any crash."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from tests.conftest import CHECKPOINTED_LAYERS
-from tests.helpers import REPO_ROOT, SCRIPT, free_port, launch_env, relative_difference, run_script
+from tests.helpers import relative_difference, run_script, run_torchrun
 
 #: Left out of the default run for now: a restarted attempt's workers used to hang connecting their gloo pair (the
 #: failed attempt's addresses stayed in torchrun's store; fixed in ``_compat.setup_process_group``); back in the
 #: default run once the fix has a record beyond its first three passing runs.
-pytestmark = [pytest.mark.slow, pytest.mark.extended]
+pytestmark = pytest.mark.slow
 
 #: Two ranks, 10 steps of 4 per epoch: checkpoints at the epoch ends, steps 4 and 8 (and ModelCheckpoint's last.ckpt).
 RUN = ["--model", "gpt", "--layers", CHECKPOINTED_LAYERS, "--dp", 2, "--devices", 2, "--steps", 10]
-
-
-def run_torchrun(args: list, max_restarts: int, timeout_s: float = 600.0) -> tuple[subprocess.CompletedProcess, float]:
-    """``python -m torch.distributed.run`` over ``tests/equivalence.py args`` on 2 local ranks; returns the finished
-    process (output captured) and its wall seconds."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
-               str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-               str(SCRIPT), *map(str, args)]
-    start = time.perf_counter()
-    # LOGLEVEL=INFO: torchrun then says when it restarts the worker group.
-    done = subprocess.run(command, cwd=REPO_ROOT, env={**launch_env(), "LOGLEVEL": "INFO"}, capture_output=True,
-                          text=True, timeout=timeout_s)
-    return done, time.perf_counter() - start
 
 
 def test_killed_rank_restarts_the_job_which_resumes_from_the_last_checkpoint_and_trains_the_same(
@@ -40,8 +24,8 @@ def test_killed_rank_restarts_the_job_which_resumes_from_the_last_checkpoint_and
 ) -> None:
     folder = tmp_path / "checkpoints"
     # Rank 1 dies when step 6 starts on the first attempt only; every attempt asks for ckpt_path="last".
-    done, seconds = run_torchrun([*RUN, "--checkpoint-dir", folder, "--ckpt-path", "last", "--kill", "1:step:6",
-                                  "--out", tmp_path / "restarted.pt"], max_restarts=3)
+    (done,), seconds = run_torchrun([*RUN, "--checkpoint-dir", folder, "--ckpt-path", "last", "--kill", "1:step:6",
+                                     "--out", tmp_path / "restarted.pt"], max_restarts=3)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     print(f"torchrun with one restart: {seconds:.1f} s")
