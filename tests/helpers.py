@@ -22,16 +22,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.equivalence import sweep_out
+from tests.prewarmed import PrewarmedProcess, forkserver, start_script
 
 T = TypeVar("T")
 #: Whose environment the ranks a test starts get: torchrun's variables or srun's (see :func:`rank_environment`).
 Launcher = Literal["torchrun", "srun"]
+#: A started rank or launcher agent: forked from the preloaded server, or a fresh process.
+RankProcess = PrewarmedProcess | subprocess.Popen
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "tests" / "equivalence.py"
 
-#: Seconds allowed for one script run. A 4-process fit of the tiny models took 20-70 s on 2 CPU cores (mostly
-#: 4 interpreters importing torch and Lightning, and gloo ranks sharing cores); the margin covers slow CI machines.
+#: Seconds allowed for one script run. A 4-process fit of the tiny models took 20-70 s on 2 CPU cores when every
+#: rank was a fresh interpreter importing torch and Lightning; the margin covers slow CI machines.
 DEFAULT_TIMEOUT_S = 300.0
 _TAIL_CHARS = 6000
 
@@ -48,8 +51,9 @@ def run_script(
 
     The ranks (``--devices``) start together as separate processes with the environment ``torchrun`` or SLURM
     would give them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), which Lightning detects and then
-    does not launch processes itself: importing torch and Lightning (~6 s per process here) runs in all ranks at
-    once instead of rank 0 first and the others after it. (The recipe test covers Lightning's own launcher.)
+    does not launch processes itself; they fork from the preloaded server of :mod:`tests.prewarmed` instead of
+    each importing torch and Lightning (~6 s of CPU per process here). (The recipe test covers Lightning's own
+    launcher.)
     ``--devices × --num-nodes`` ranks start; ``launcher="srun"`` gives them the variables srun sets instead
     (see :func:`rank_environment`).
     ``OMP_NUM_THREADS=1`` because several ranks share few cores and oversubscription makes gloo runs crawl.
@@ -108,7 +112,7 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Pa
     return out, run_s
 
 
-def wait_or_kill(procs: Sequence[subprocess.Popen], timeout_s: float) -> bool:
+def wait_or_kill(procs: Sequence[RankProcess], timeout_s: float) -> bool:
     """Wait for every process; past ``timeout_s`` kill each one's process group (each must lead one:
     ``start_new_session=True``) and every process below it, so no rank or torchrun worker outlives the test.
     ``False`` if it timed out."""
@@ -163,10 +167,11 @@ def rank_environment(rank: int, devices: int, num_nodes: int, port: int, launche
 
 
 def start_ranks(args: list[str], out: Path, script: Path = SCRIPT,
-                launcher: Launcher = "torchrun") -> tuple[list[subprocess.Popen], list[Path]]:
+                launcher: Launcher = "torchrun") -> tuple[list[RankProcess], list[Path]]:
     """Start every rank (``--devices`` × ``--num-nodes``) of ``script args`` (default ``equivalence.py``) without
-    waiting, with :func:`rank_environment`'s variables; rank ``r`` writes its output to ``<out stem>.rank<r>.log``
-    beside ``out`` and leads its own process group (``os.killpg`` ends it)."""
+    waiting, with :func:`rank_environment`'s variables, forked from the preloaded server (:mod:`tests.prewarmed`);
+    rank ``r`` writes its output to ``<out stem>.rank<r>.log`` beside ``out`` and leads its own process group
+    (``os.killpg`` ends it with anything it started)."""
     devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
     num_nodes = int(args[args.index("--num-nodes") + 1]) if "--num-nodes" in args else 1
     world_size, port = devices * num_nodes, free_port()
@@ -178,10 +183,7 @@ def start_ranks(args: list[str], out: Path, script: Path = SCRIPT,
         rank_env = launch_env()
         if world_size > 1:
             rank_env.update(rank_environment(rank, devices, num_nodes, port, launcher))
-        with open(log, "w") as stream:
-            # Each rank leads its own process group, so a timeout can end it with anything it started.
-            procs.append(subprocess.Popen(command, cwd=REPO_ROOT, env=rank_env, stdout=stream,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(start_script(command, rank_env, REPO_ROOT, log))
     return procs, logs
 
 
@@ -401,16 +403,19 @@ def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def on_two_ranks(worker: Callable[..., None], *args: Any) -> dict[str, Any]:
-    """Run ``worker(rank, results, *args)`` in two spawned processes joined by a gloo process group, and return
+    """Run ``worker(rank, results, *args)`` in two processes (forked from the preloaded server of
+    :mod:`tests.prewarmed`) joined by a gloo process group, and return
     what they put into the shared dict ``results``. ``worker`` must be a module-level function (it is pickled)."""
     return on_ranks(2, worker, *args)
 
 
 def on_ranks(world_size: int, worker: Callable[..., None], *args: Any) -> dict[str, Any]:
     """:func:`on_two_ranks` on ``world_size`` processes."""
+    forkserver()  # the ranks fork from the preloaded server instead of each importing torch afresh
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_process, args=(world_size, free_port(), worker, args, results), nprocs=world_size)
+        mp.start_processes(_rank_process, args=(world_size, free_port(), worker, args, results), nprocs=world_size,
+                           start_method="forkserver")
         return dict(results)
 
 

@@ -3,9 +3,6 @@ and microbatches holding different numbers of loss terms (``tests/pipeline/varyi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -13,22 +10,14 @@ import torch.nn.functional as F
 
 from lightning_hybrid.pipeline.microbatches import counting_loss_terms, split_microbatches
 from lightning_hybrid.pipeline.shapes import ShapeRelation, TensorSpec, describe_call
-from tests.helpers import REPO_ROOT, free_port, relative_difference
+from tests.helpers import REPO_ROOT, relative_difference, run_rank_script
 
 SCRIPT = REPO_ROOT / "tests" / "pipeline" / "varying_lengths.py"
 SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zbv_zero_bubble"]
 
 
 def _run(schedules: list[str], out: Path, ranks: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-    if ranks > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
-    command = [sys.executable, str(SCRIPT), "--schedules", *schedules, "--out", str(out)]
-    procs = [subprocess.Popen(command, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)) if ranks > 1 else env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(ranks)]
-    logs = [proc.communicate(timeout=400)[0] for proc in procs]
-    assert all(proc.returncode == 0 for proc in procs), logs[0][-4000:]
-    return torch.load(out, weights_only=False)
+    return run_rank_script(SCRIPT, ["--schedules", *schedules, "--devices", ranks, "--out", out], nprocs_timeout=400)
 
 
 def test_varying_lengths_and_a_smaller_last_batch_train_like_one_device_under_every_schedule(tmp_path: Path) -> None:

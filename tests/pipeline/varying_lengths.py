@@ -99,13 +99,13 @@ class StepRecord(pl.Callback):
         self.params = {k: v for rank_dict in gathered for k, v in rank_dict.items()}
 
 
-def train(schedule: str, samples: list[Tensor], epochs: int, batch_size: int) -> dict[str, Any]:
-    """One fit: single-device Lightning for ``"reference"``, else ``HybridStrategy(pp=2)`` with ``schedule``."""
+def train(schedule: str, samples: list[Tensor], epochs: int, batch_size: int, stages: int) -> dict[str, Any]:
+    """One fit: single-device Lightning for ``"reference"``, else ``HybridStrategy(pp=stages)`` with ``schedule``."""
     from lightning_hybrid import HybridStrategy
 
     record = StepRecord()
     placement = {"devices": 1} if schedule == "reference" else {
-        "devices": 2, "strategy": HybridStrategy(pp=2, pp_schedule=schedule, microbatches=2)}
+        "devices": stages, "strategy": HybridStrategy(pp=stages, pp_schedule=schedule, microbatches=2)}
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=epochs, gradient_clip_val=0.1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, callbacks=[record],
@@ -122,11 +122,12 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs=2, default=(4, 16), help="shortest and longest sequence")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--devices", type=int, default=1, help="ranks started: the pipeline stages (not for reference)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     samples = make_samples(args.samples, tuple(args.lengths))
-    results = {schedule: train(schedule, samples, args.epochs, args.batch_size) for schedule in args.schedules}
+    results = {schedule: train(schedule, samples, args.epochs, args.batch_size, args.devices) for schedule in args.schedules}
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(results, args.out)
 
