@@ -44,7 +44,7 @@ from lightning_hybrid.plan import search
 from lightning_hybrid.plan.auto_layout import candidate_layouts
 from lightning_hybrid.plan.cost import estimate
 from lightning_hybrid.plan.hardware import GIB, GPU_PRESETS, Cluster
-from lightning_hybrid.plan.layout import Estimate
+from lightning_hybrid.plan.layout import Estimate, Layout
 from lightning_hybrid.plan.model import ModelShape
 from lightning_hybrid.pipeline.schedules import PLANNED_SCHEDULES
 from recipes import finetune_hf, pretrain_gpt
@@ -70,8 +70,8 @@ SHAPE_NEUTRAL_LLAMA_FIELDS = {"max_position_embeddings", "rope_theta", "rms_norm
 #: Published parameter counts and how close the config's model must come: the Llama checkpoints'
 #: model.safetensors.index.json total_size (bf16 bytes) / 2, exactly; GPT-3's 175.0B (Brown et al. 2020, Table 2.1,
 #: rounded there), within 0.5 % (the recipe's GPT adds biases, 2048 learned positions and a vocabulary of 50304).
-PUBLISHED_PARAMETERS = {"Meta-Llama-3-8B": (16_060_522_496 // 2, 0.0), "Meta-Llama-3-70B": (141_107_412_992 // 2, 0.0),
-                        "GPT-3 175B": (175.0e9, 0.005)}
+PUBLISHED_PARAMETERS = {"Meta-Llama-3-8B": (16_060_522_496 // 2, 0.0),
+                        "Meta-Llama-3-70B": (141_107_412_992 // 2, 0.0), "GPT-3 175B": (175.0e9, 0.005)}
 #: The planner refuses tied weights under pp, which the strategy trains (a known planner limitation, reported).
 KNOWN_PLANNER_LIMITATIONS = ("tied (shared) weights cannot be split across pipeline stages",)
 PREDICTED = re.compile(
@@ -229,9 +229,9 @@ class Training:
     model: ModelShape
     cluster: Cluster
     options: HybridOptions
+    layout: Layout  # the planner's layout of ``options``, before the estimate fills in the schedule's defaults
     global_batch: int
     precision: str
-    accumulation: int
 
 
 def training(path: Path, cluster: Cluster) -> Training:
@@ -240,10 +240,9 @@ def training(path: Path, cluster: Cluster) -> Training:
     options = HybridOptions(**{name: arguments[name] for name in LAYOUT_ARGUMENTS})
     trainer = config["trainer"]
     accumulation = trainer["accumulate_grad_batches"]
-    (layout,) = candidate_layouts(options, cluster.gpus, accumulation)  # the planner's layout of these options
-    replicas = layout.dp * layout.dp_replicate
-    return Training(model_shape(path), cluster, options, config["data"]["batch_size"] * replicas * accumulation,
-                    trainer["precision"], accumulation)
+    (layout,) = candidate_layouts(options, cluster.gpus, accumulation)  # as the auto layout reads the options
+    global_batch = config["data"]["batch_size"] * layout.dp * layout.dp_replicate * accumulation
+    return Training(model_shape(path), cluster, options, layout, global_batch, trainer["precision"])
 
 
 def named_cluster(path: Path) -> Cluster:
@@ -252,7 +251,8 @@ def named_cluster(path: Path) -> Cluster:
     assert match is not None, f"{path.name}: '# cluster:' is not '<nodes> x <GPUs per node> <preset>'"
     nodes, per_node, gpu = int(match[1]), int(match[2]), match[3]
     assert gpu in GPU_PRESETS, f"{path.name}: {gpu!r} is no GPU preset ({', '.join(GPU_PRESETS)})"
-    return Cluster.preset(gpu, nodes=nodes, gpus_per_node=per_node, precision=parsed_config(path)["trainer"]["precision"])
+    precision = parsed_config(path)["trainer"]["precision"]
+    return Cluster.preset(gpu, nodes=nodes, gpus_per_node=per_node, precision=precision)
 
 
 def cpu_cluster(path: Path) -> Cluster:
@@ -268,20 +268,20 @@ def cpu_cluster(path: Path) -> Cluster:
 def planned(path: Path) -> tuple[Training, list[Estimate], Estimate]:
     """The cluster config's training, the plan of its cluster, and its layout's estimate."""
     run = training(path, named_cluster(path))
-    (layout,) = candidate_layouts(run.options, run.cluster.gpus, run.accumulation)
-    own = estimate(run.model, run.cluster, layout, run.global_batch, run.precision)
+    own = estimate(run.model, run.cluster, run.layout, run.global_batch, run.precision)
     return run, search.plan(run.model, run.cluster, run.global_batch, run.precision), own
 
 
-def values_set(file_value: Any, parsed_value: Any, where: str) -> list[str]:
+def differences_from_file(file_value: Any, parsed_value: Any, where: str) -> list[str]:
     """Where the parsed config differs from a value the file sets: mappings key by key and lists item by item, since
     the parsed config adds the defaults the file leaves out (a callback's other ``init_args``)."""
     if isinstance(file_value, dict) and isinstance(parsed_value, dict):
         return [difference for key, value in file_value.items()
-                for difference in values_set(value, parsed_value.get(key, "<missing>"), f"{where}.{key}")]
+                for difference in differences_from_file(value, parsed_value.get(key, "<missing>"),
+                                                        f"{where}.{key}")]
     if isinstance(file_value, list) and isinstance(parsed_value, list) and len(file_value) == len(parsed_value):
         return [difference for index, (value, parsed) in enumerate(zip(file_value, parsed_value))
-                for difference in values_set(value, parsed, f"{where}[{index}]")]
+                for difference in differences_from_file(value, parsed, f"{where}[{index}]")]
     return [] if file_value == parsed_value else [f"{where}: file {file_value!r}, parsed {parsed_value!r}"]
 
 
@@ -310,7 +310,7 @@ def test_every_config_names_its_recipe_and_is_a_cpu_config_or_names_its_cluster(
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.name)
 def test_config_parses_through_its_recipe_with_every_value_it_sets(path: Path) -> None:
     written = yaml.safe_load(path.read_text())
-    assert not values_set(written, parsed_config(path), path.name)
+    assert not differences_from_file(written, parsed_config(path), path.name)
 
 
 @pytest.mark.parametrize("path", cluster_configs(), ids=lambda path: path.name)
@@ -334,6 +334,7 @@ def test_configs_model_has_the_parameter_count_its_header_names(path: Path) -> N
     name, count = re.fullmatch(r"(.+), ([\d,]+) parameters", read_header(path).model).groups()
     model = model_shape(path)
     assert model.total_parameters == number(count)
+    assert name in PUBLISHED_PARAMETERS, f"{path.name}: no published parameter count of {name!r} to compare with"
     published, tolerance = PUBLISHED_PARAMETERS[name]
     assert model.total_parameters == pytest.approx(published, rel=tolerance, abs=0)
 
@@ -376,7 +377,6 @@ def test_predicted_figures_in_the_header_agree_with_the_planner(path: Path) -> N
 @pytest.mark.parametrize("path", cpu_configs(), ids=lambda path: path.name)
 def test_cpu_configs_layout_passes_the_planners_structural_checks(path: Path) -> None:
     run = training(path, cpu_cluster(path))
-    (layout,) = candidate_layouts(run.options, run.cluster.gpus, run.accumulation)
-    result = estimate(run.model, run.cluster, layout, run.global_batch, run.precision)
+    result = estimate(run.model, run.cluster, run.layout, run.global_batch, run.precision)
     assert result.memory.total < run.cluster.usable_memory
     assert set(result.reasons) <= set(KNOWN_PLANNER_LIMITATIONS), result.reasons
