@@ -175,7 +175,11 @@ class GPTLightning(pl.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 20,
         max_steps: int = 200,
+        meta_init: bool = False,
     ) -> None:
+        """``meta_init=True``: the GPT is built on the meta device in :meth:`configure_model` (no memory; a model
+        larger than one host) and ``HybridStrategy`` initializes each rank's shards with :meth:`init_module_weights`
+        (GPT-2's scheme, other draws than the eager build's). Default: built and initialized here, on the CPU."""
         super().__init__()
         # Accept a plain dict too, so ``load_from_checkpoint`` can rebuild the
         # module from the (YAML-friendly) hyperparameters saved below. The hint
@@ -191,9 +195,21 @@ class GPTLightning(pl.LightningModule):
         self.max_steps = max_steps
         self.save_hyperparameters(
             {"config": asdict(config), "lr": lr, "weight_decay": weight_decay,
-             "warmup_steps": warmup_steps, "max_steps": max_steps}
+             "warmup_steps": warmup_steps, "max_steps": max_steps, "meta_init": meta_init}
         )
-        self.model = GPT(config)
+        self.model = None if meta_init else GPT(config)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            with torch.device("meta"):
+                self.model = GPT(self.config)
+
+    def init_module_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialization of ``module`` (called by ``HybridStrategy`` for a meta-built model, children
+        first): what :class:`GPT`'s ``__init__`` does, module by module; LayerNorms keep ``reset_parameters()``."""
+        GPT._init_weights(module)
+        if isinstance(module, (CausalSelfAttention, MLP)):
+            nn.init.normal_(module.c_proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)

@@ -124,3 +124,32 @@ def test_command_line_reaches_the_strategy_and_links_fill_derived_values(
     assert cli.model.max_steps == cli.trainer.max_steps == 30
     (checkpoint,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, ModelCheckpoint)]
     assert Path(checkpoint.dirpath) == tmp_path / "checkpoints" and checkpoint.save_top_k == 2
+
+
+def test_the_gpt_built_on_the_meta_device_gets_gpt2s_initialization() -> None:
+    """``GPTLightning(meta_init=True)``: no tensor before ``configure_model``, meta tensors after it, and the
+    strategy's per-module initialization through ``init_module_weights`` gives GPT-2's scheme: normal(0, 0.02)
+    matrices and embeddings, the residual projections scaled by 1/sqrt(2 · layers), zero biases, unit norms."""
+    import torch
+
+    from lightning_hybrid.parallel.initialization import init_weights
+    from recipes.gpt import GPTConfig, GPTLightning
+
+    config = GPTConfig(vocab_size=96, block_size=64, n_layer=8, n_head=4, n_embd=128)
+    module = GPTLightning(config, meta_init=True)
+    assert module.model is None
+    module.configure_model()
+    assert all(p.is_meta for p in module.parameters())
+    module.to_empty(device="cpu")
+    init_weights(module, seed=3)
+    eager = dict(GPTLightning(config).named_parameters())
+    for name, param in module.named_parameters():
+        assert param.shape == eager[name].shape, name
+        if name.endswith("bias"):
+            assert torch.count_nonzero(param) == 0, name
+        elif param.ndim == 1:
+            assert torch.equal(param, torch.ones_like(param)), name  # LayerNorm weights
+        else:
+            std = 0.02 / 4.0 if name.endswith("c_proj.weight") else 0.02  # 1/sqrt(2 * 8 layers)
+            assert abs(param.std().item() - std) < 0.05 * std, (name, param.std().item())
+            assert not torch.equal(param, eager[name])  # its own draws, not the eager build's
