@@ -3,13 +3,16 @@ to a Hugging Face directory that ``from_pretrained`` loads, through ``LightningC
 ``recipes/configs/finetune_llama_tiny.yaml``; ``fit`` when no subcommand is given, see :mod:`recipes.cli`).
 
 1. The "pretrained" checkpoint: ``--pretrained DIR`` (any ``save_pretrained`` directory), or by default a small
-   Llama created from the config's ``tiny_llama:`` section and saved under ``--out`` (no download).
-2. The LightningModule builds the model on the meta device from ``config.json``; ``HybridStrategy(weights=DIR)``
-   reads each rank's slices of the safetensors straight into the shards (no rank holds the whole model).
+   Llama created from the config's ``tiny_llama:`` section and saved under ``--out`` (no download) by global rank 0
+   under any launcher (Lightning's, torchrun, srun), the other processes waiting for it.
+2. The LightningModule builds the model on the meta device from ``config.json`` with ``model.attn_implementation``
+   (``sdpa`` by default); ``HybridStrategy(weights=DIR)`` reads each rank's slices of the safetensors straight into
+   the shards (no rank holds the whole model).
 3. Fine-tuning on generated instruction pairs ("reverse these digits"), padded per batch to its longest sequence,
    the loss a token mean over the answers only; TensorBoard logs under ``--out/logs``.
-4. A sharded checkpoint at the end, exported to ``--out/hf`` (sharded safetensors + config.json), reloaded with
-   ``AutoModelForCausalLM.from_pretrained`` and evaluated next to the pretrained model.
+4. A sharded checkpoint at the end, exported to ``--out/hf`` (sharded safetensors + config.json; ``--export false``
+   skips it), reloaded with ``AutoModelForCausalLM.from_pretrained`` and evaluated next to the pretrained model on
+   rank 0's CPU (``--evaluate false`` skips it: at billions of parameters it takes hours).
 
 ``model.pretrained`` and ``trainer.strategy.init_args.weights`` are linked to ``--pretrained`` (or the created
 checkpoint), the logger's ``save_dir`` to ``--out``. Usage (from the repository root)::
@@ -18,6 +21,8 @@ checkpoint), the logger's ``save_dir`` to ``--out``. Usage (from the repository 
     python recipes/finetune_hf.py --trainer.devices 2 --trainer.strategy.tp 1 --trainer.max_steps 30
     python recipes/finetune_hf.py --pretrained /ckpt/Llama-3.2-1B --out runs/llama --trainer.accelerator gpu \
         --trainer.devices 8 --trainer.precision bf16-mixed          # a real checkpoint on a GPU node (dp=2)
+    RECIPE=recipes/finetune_hf.py NPROC_PER_NODE=8 recipes/launch/torchrun.sh \
+        --config recipes/configs/llama3_8b_1x8_h100.yaml --pretrained /ckpt/Meta-Llama-3-8B  # torchrun, restarts
     python recipes/finetune_hf.py --print_config                   # every option and its value
     tensorboard --logdir out/finetune/logs
 """
@@ -26,7 +31,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -51,9 +59,16 @@ Pairs = list[tuple[list[int], list[int]]]
 
 class FineTune(LightningModule):
     """Next-token fine-tuning of the ``AutoModelForCausalLM`` in ``pretrained`` (built on the meta device; the
-    strategy loads the weights after sharding)."""
+    strategy loads the weights after sharding).
 
-    def __init__(self, pretrained: str, lr: float = 3e-3, weight_decay: float = 0.0) -> None:
+    Arguments:
+        attn_implementation: The transformers attention kernel (``"sdpa"``, its default; ``"eager"`` materializes
+            the ``heads × length²`` attention scores, which at 8192 tokens dominate the activations; or any other
+            name transformers accepts). The CPU evaluation after ``fit`` loads the models with the same one.
+    """
+
+    def __init__(self, pretrained: str, lr: float = 3e-3, weight_decay: float = 0.0,
+                 attn_implementation: str = "sdpa") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model: Any = None
@@ -64,7 +79,8 @@ class FineTune(LightningModule):
         if self.model is None:
             config = AutoConfig.from_pretrained(self.hparams.pretrained)
             with torch.device("meta"):
-                self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+                self.model = AutoModelForCausalLM.from_config(
+                    config, attn_implementation=self.hparams.attn_implementation)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, targets = batch
@@ -137,20 +153,68 @@ def pretrained_folder(pretrained: Optional[str], out: Path) -> str:
     return pretrained or str(Path(out) / "pretrained")
 
 
-def create_pretrained(folder: Path, model_config: dict[str, Any], seed: int) -> None:
-    """A stand-in for a published checkpoint: a Llama of ``model_config`` saved with ``save_pretrained``."""
+#: How long the other processes wait for the rank writing the stand-in checkpoint (at Llama-3-70B's size, fp32 on one
+#: CPU: 280 GB to initialize and write).
+PRETRAINED_WAIT_S = 3 * 3600.0
+
+
+def is_first_process(environ: Mapping[str, str]) -> bool:
+    """Whether this process is global rank 0 by the variables launchers set before Lightning reads them: ``RANK``
+    (torchrun), ``SLURM_PROCID`` (srun); with neither, Lightning's own launcher, whose first process on node 0 runs
+    before it starts the others (they get ``LOCAL_RANK``, other nodes ``NODE_RANK``)."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if name in environ:
+            return int(environ[name]) == 0
+    return int(environ.get("NODE_RANK", 0)) == 0 and int(environ.get("LOCAL_RANK", 0)) == 0
+
+
+def is_complete_checkpoint(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def create_pretrained(folder: Path, model_config: dict[str, Any], seed: int,
+                      environ: Mapping[str, str] = os.environ, timeout_s: float = PRETRAINED_WAIT_S) -> None:
+    """A stand-in for a published checkpoint: a Llama of ``model_config`` saved with ``save_pretrained``, written by
+    the first process (:func:`is_first_process`) under any launcher; the others wait for it up to ``timeout_s``."""
+    if is_complete_checkpoint(folder):
+        return
+    if is_first_process(environ):
+        write_pretrained(folder, model_config, seed)
+        return
+    deadline = time.monotonic() + timeout_s
+    while not is_complete_checkpoint(folder):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"waited {timeout_s:.0f} s for global rank 0 to create the stand-in checkpoint {folder} (config.json"
+                " + *.safetensors). Is <out> on a file system every node shares? Or create it once beforehand, or"
+                " pass --pretrained DIR.")
+        time.sleep(min(5.0, timeout_s / 10))
+
+
+def write_pretrained(folder: Path, model_config: dict[str, Any], seed: int) -> None:
+    """Save into a folder of this process's own and rename it into place: ``folder`` appears complete or not at all,
+    and a second writer (two launchers' first processes on a shared disk) loses the rename harmlessly."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if not (folder / "config.json").exists() and "LOCAL_RANK" not in os.environ:  # once, before ranks start
+    partial = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
         torch.manual_seed(seed)
-        LlamaForCausalLM(LlamaConfig(**model_config)).save_pretrained(folder)
+        LlamaForCausalLM(LlamaConfig(**model_config)).save_pretrained(partial)
+        os.rename(partial, folder)  # atomic; fails when folder exists and is not empty
+    except OSError:
+        if not is_complete_checkpoint(folder):
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
-def evaluate(folder: Path, loader: DataLoader) -> tuple[float, float]:
+def evaluate(folder: Path, loader: DataLoader, attn_implementation: str) -> tuple[float, float]:
     """Token-mean loss and answer-token accuracy of ``from_pretrained(folder)`` on one process."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn_implementation).eval()
     losses, right, total = [], 0, 0
     with torch.no_grad():
         for inputs, targets in loader:
@@ -164,8 +228,9 @@ def evaluate(folder: Path, loader: DataLoader) -> tuple[float, float]:
 
 
 class FineTuneCLI(LightningCLI):
-    """``LightningCLI`` with the recipe's own options (``--pretrained``, ``--out``, ``--tiny_llama``), their links,
-    the stand-in checkpoint created before anything reads it, and the export and evaluation after ``fit``."""
+    """``LightningCLI`` with the recipe's own options (``--pretrained``, ``--out``, ``--tiny_llama``, ``--export``,
+    ``--evaluate``), their links, the stand-in checkpoint created before anything reads it, and the export and
+    evaluation after ``fit``."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--pretrained", type=Optional[str], default=None,
@@ -175,6 +240,11 @@ class FineTuneCLI(LightningCLI):
                             help="Folder of the logs, the checkpoint and the exported model.")
         parser.add_argument("--tiny_llama", type=dict[str, Any], default={},
                             help="transformers.LlamaConfig fields of the checkpoint created when pretrained is null.")
+        parser.add_argument("--export", type=bool, default=True,
+                            help="After fit, export the sharded checkpoint to <out>/hf (rank 0 writes it).")
+        parser.add_argument("--evaluate", type=bool, default=True,
+                            help="After fit, load the pretrained and the exported model with from_pretrained on"
+                                 " rank 0's CPU and compare them on the validation set (needs export; hours at 8B).")
         for target in ("model.pretrained", "trainer.strategy.init_args.weights"):
             parser.link_arguments(("pretrained", "out"), target, compute_fn=pretrained_folder)
         parser.link_arguments("out", "trainer.logger.init_args.save_dir")
@@ -182,22 +252,31 @@ class FineTuneCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
+        if self.subcommand == "fit" and config.evaluate and not config.export:
+            raise ValueError("--evaluate true compares the exported model with the pretrained one: it needs"
+                             " --export true (or pass --evaluate false)")
         if config.pretrained is None:
             create_pretrained(Path(config.model.pretrained), config.tiny_llama, config.seed_everything)
 
     def after_fit(self) -> None:
-        out = Path(self.config[self.subcommand].out)
+        config = self.config[self.subcommand]
+        out = Path(config.out)
         checkpoint = out / "checkpoint.ckpt"
         self.trainer.save_checkpoint(checkpoint)  # sharded: every rank writes its own part
-        if self.trainer.is_global_zero:
-            from lightning_hybrid.checkpoint.hf_export import export_hugging_face
+        if not (self.trainer.is_global_zero and config.export):
+            return
+        from lightning_hybrid.checkpoint.hf_export import export_hugging_face
 
-            exported = export_hugging_face(checkpoint, out / "hf")  # the class the checkpoint recorded
-            val = self.datamodule.val_dataloader()
-            before, after = evaluate(Path(self.model.hparams.pretrained), val), evaluate(exported, val)
-            print(f"pretrained:  val loss {before[0]:.3f}, answer accuracy {before[1]:.1%}")
-            print(f"fine-tuned:  val loss {after[0]:.3f}, answer accuracy {after[1]:.1%}"
-                  f"  (from_pretrained({exported}))")
+        exported = export_hugging_face(checkpoint, out / "hf")  # the class the checkpoint recorded
+        if config.evaluate:
+            self.compare_with_pretrained(exported)
+
+    def compare_with_pretrained(self, exported: Path) -> None:
+        val, hparams = self.datamodule.val_dataloader(), self.model.hparams
+        before = evaluate(Path(hparams.pretrained), val, hparams.attn_implementation)
+        after = evaluate(exported, val, hparams.attn_implementation)
+        print(f"pretrained:  val loss {before[0]:.3f}, answer accuracy {before[1]:.1%}")
+        print(f"fine-tuned:  val loss {after[0]:.3f}, answer accuracy {after[1]:.1%}  (from_pretrained({exported}))")
 
 
 def main(args: list[str] | None = None) -> LightningCLI:

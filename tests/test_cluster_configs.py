@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import io
 import re
 import shlex
@@ -199,8 +198,9 @@ def llama_shape(config: dict[str, Any]) -> ModelShape:
                   "num_key_value_heads", "vocab_size", "tie_word_embeddings"}
     unknown = set(fields) - dimensions - SHAPE_NEUTRAL_LLAMA_FIELDS
     assert not unknown, f"tiny_llama fields the planner's shape does not read: {sorted(unknown)}"
-    # The recipe's model is built with attn_implementation="eager": the attention scores are materialized.
-    eager = 'attn_implementation="eager"' in inspect.getsource(finetune_hf.FineTune.configure_model)
+    # FineTune builds the model with model.attn_implementation: "eager" materializes the attention scores, the
+    # fused kernels ("sdpa", "flash_attention_2", ...) do not, which the planner calls flash attention.
+    eager = config["model"]["attn_implementation"] == "eager"
     return ModelShape(layers=fields["num_hidden_layers"], hidden=fields["hidden_size"],
                       heads=fields["num_attention_heads"], kv_heads=fields["num_key_value_heads"],
                       ffn_hidden=fields["intermediate_size"], gated_mlp=True, vocab=fields["vocab_size"],
