@@ -50,6 +50,12 @@ def candidate_layouts(cluster: Cluster, global_batch: int, schedules: Sequence[s
     return layouts
 
 
+def _recompute_order(layout: Layout) -> int:
+    """0 without checkpointing, 1 selective, 2 every N-th block, 3 every block: how much each recomputes."""
+    mode = layout.activation_checkpointing
+    return 0 if mode is None else 1 if mode == "selective" else 3 if mode == "every" else 2
+
+
 def plan(model: ModelShape, cluster: Cluster, global_batch: int, precision: str = "bf16-mixed",
          schedules: Sequence[str] = PLANNED_SCHEDULES, zero_levels: Sequence[int] = (2, 3),
          checkpointing: Sequence[Optional[str]] = CHECKPOINTING) -> list[Estimate]:
@@ -60,9 +66,11 @@ def plan(model: ModelShape, cluster: Cluster, global_batch: int, precision: str 
     check_model_fits_cluster(model, cluster, precision)
     candidates = candidate_layouts(cluster, global_batch, schedules, zero_levels, checkpointing)
     estimates = [estimate(model, cluster, layout, global_batch, precision) for layout in candidates]
-    # At equal predicted time, fewer accumulation steps: smaller microbatches run less efficiently (not modeled).
+    # At equal predicted time, fewer accumulation steps: smaller microbatches run less efficiently (not modeled);
+    # then less recomputation (without the cluster's memory bandwidth selective checkpointing costs no time).
     feasible = sorted((e for e in estimates if e.feasible),
-                      key=lambda e: (e.time.step, e.layout.accumulation_steps, e.memory.total, e.time.data_parallel))
+                      key=lambda e: (e.time.step, e.layout.accumulation_steps, _recompute_order(e.layout),
+                                     e.memory.total, e.time.data_parallel))
     infeasible = sorted((e for e in estimates if not e.feasible),
                         key=lambda e: (len(e.reasons) - e.out_of_memory, e.memory.total, e.time.step))
     return feasible + infeasible
