@@ -11,9 +11,9 @@ GPUs, d = n/(t·p); the pipeline's microbatches are m = B/(d·b).
 The planner predicts HybridStrategy on that hardware with that configuration (``Cluster.preset("a100-80gb")``,
 bf16-mixed, the strategy's defaults: ZeRO-3 without a pipeline, ZeRO-2 with one, the vocabulary sharded over tp, the
 tied embedding kept on the first and last stage) and the predicted TFLOP/s per GPU are counted as the paper counts
-its own: F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per iteration (recomputed forward included) ÷ (step time ×
-GPUs). The model is the paper's: per block 12h² + 13h parameters (biases; 6h of them, the norms and the row-parallel
-biases, whole over tp), learned position embeddings, tied head.
+its own: F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per iteration (recomputed forward included) ÷ (step
+time × GPUs). The model is the paper's: per block 12h² + 13h parameters (biases; 6h of them, the norms and the
+row-parallel biases, whole over tp), learned position embeddings, tied head.
 
 Where HybridStrategy differs from the published system, the planner counts what HybridStrategy does:
 

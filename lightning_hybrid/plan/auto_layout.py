@@ -90,7 +90,9 @@ def candidate_layouts(options: HybridOptions, world: int, accumulation: int = 1)
             zero = options.zero_given if options.zero_given is not None else default_zero_level(pp > 1)
             layouts.append(Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, zero=int(zero),
                                   activation_checkpointing=options.planned_checkpointing,
-                                  shard_vocab=options.shard_vocab, **pipeline))
+                                  shard_vocab=options.shard_vocab, compile=options.compile_arguments is not None,
+                                  offload=options.offload, reduce_dtype=options.reduce_dtype,
+                                  loss_parallel=options.loss_parallel, **pipeline))
     return layouts
 
 

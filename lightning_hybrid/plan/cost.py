@@ -52,13 +52,13 @@ from lightning_hybrid.checks import check_positive_values
 from lightning_hybrid.options import check_precision
 from lightning_hybrid.pipeline.schedules import PLANNED_SCHEDULES, PipelineSchedule
 from lightning_hybrid.plan.hardware import GIB, Cluster
-from lightning_hybrid.plan.layout import OUT_OF_MEMORY, Estimate, Layout, TimeBreakdown
+from lightning_hybrid.plan.layout import OUT_OF_MEMORY, Estimate, Layout, MemoryBreakdown, TimeBreakdown
 from lightning_hybrid.plan.memory import layer_activation_bytes, rank_memory
 from lightning_hybrid.plan.model import ModelShape
 from lightning_hybrid.plan.step import PRECISIONS, StepShape, describe_step, pipeline_ranks
 from lightning_hybrid.plan.timing import rank_times
 
-__all__ = ["Layout", "check_model_fits_cluster", "estimate", "layer_activation_bytes"]
+__all__ = ["Layout", "check_model_fits_cluster", "estimate", "layer_activation_bytes", "stage_memory"]
 
 
 def _schedule(layout: Layout) -> Optional[PipelineSchedule]:
@@ -147,6 +147,14 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
         layout = replace(layout, microbatches=schedule.microbatches, virtual_stages=schedule.virtual_stages)
     return Estimate(layout, memory, time, tokens_per_second=global_batch * model.seq_len / time.step,
                     mfu=model_flops / (time.step * cluster.gpus * cluster.peak_flops), reasons=tuple(reasons))
+
+
+def stage_memory(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
+                 precision: str = "bf16-mixed") -> dict[str, MemoryBreakdown]:
+    """The memory of every pipeline rank :func:`estimate` computes, by stage (``"only"``, or ``"first"``,
+    ``"middle"``, ``"last"``); ``estimate`` reports the fullest."""
+    step = describe_step(model, cluster, layout, _schedule(layout), precision, global_batch)
+    return {rank.stage: rank_memory(step, rank) for rank in pipeline_ranks(step)}
 
 
 def _step_time(step: StepShape, ranks: list) -> TimeBreakdown:

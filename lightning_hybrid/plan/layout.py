@@ -10,13 +10,12 @@ Example::
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
 from lightning_hybrid.checks import check_positive_values
-from lightning_hybrid.options import check_zero_level
-from lightning_hybrid.pipeline.schedules import SCHEDULES
+from lightning_hybrid.options import check_zero_level, default_zero_level
+from lightning_hybrid.plan.syntax import layout_words
 
 #: The activation checkpointing modes :func:`~lightning_hybrid.plan.search.plan` tries by default (an integer N,
 #: every N-th block, is predicted too when asked for).
@@ -104,52 +103,25 @@ def _checked_checkpointing(mode: object) -> Union[None, str, int]:
                      " N ≥ 1 (every N-th block), as HybridStrategy takes.")
 
 
-_DEGREES = {"dp": "dp", "tp": "tp", "pp": "pp", "rep": "dp_replicate", "acc": "accumulate", "m": "microbatches",
-            "v": "virtual_stages", "z": "zero"}
-_FLAGS = {"whole-vocab": ("shard_vocab", False), "compile": ("compile", True), "offload": ("offload", True),
-          "loss-parallel": ("loss_parallel", True)}
-LAYOUT_SYNTAX = ("words separated by spaces: dpN tpN ppN repN (dp_replicate) accN (accumulate_grad_batches) mN"
-                 " (microbatches) vN (virtual stages) zN (ZeRO level), a pp_schedule name, ac | ac=selective | ac=N |"
-                 " ac=none, whole-vocab, compile, offload, loss-parallel, reduce=bf16; dp defaults to the GPUs left"
-                 " over")
-
-
 def parse_layout(text: str, gpus: Optional[int] = None) -> Layout:
-    """The :class:`Layout` that ``text`` describes (:data:`LAYOUT_SYNTAX`; what ``str(layout)`` prints reads back
-    equal). Without ``dpN``, dp is ``gpus`` ÷ (tp·pp·rep). Unknown words raise ``ValueError``."""
-    values: dict[str, Any] = {}
-    for word in text.replace(",", " ").lower().split():
-        values.update(_parse_word(word, text))
+    """The :class:`Layout` that ``text`` describes (:data:`~lightning_hybrid.plan.syntax.LAYOUT_SYNTAX`; what
+    ``str(layout)`` prints reads back equal). Without ``dpN``, dp is ``gpus`` ÷ (tp·pp·rep); without ``zN``,
+    HybridStrategy's default level (2 with a pipeline, else 3). Unknown words raise ``ValueError``."""
+    values = layout_words(text)
+    values.setdefault("zero", default_zero_level(values.get("pp", 1) > 1))
     if "dp" not in values:
         others = values.get("tp", 1) * values.get("pp", 1) * values.get("dp_replicate", 1)
         if gpus is None or gpus % others:
-            raise ValueError(f"layout {text!r} has no dpN, and {gpus} GPUs do not split into tp × pp × rep = {others}")
+            raise ValueError(f"layout {text!r} has no dpN, and {gpus} GPUs do not split into tp × pp × rep ="
+                             f" {others}")
         values["dp"] = gpus // others
-    if values.get("pp", 1) == 1 and "accumulate" in values:  # without a pipeline accN is the microbatches
-        values.setdefault("microbatches", values.pop("accumulate"))
-    known = {field.name for field in fields(Layout)}
-    return Layout(**{name: value for name, value in values.items() if name in known})
-
-
-def _parse_word(word: str, text: str) -> dict[str, Any]:
-    match = re.fullmatch(r"(dp|tp|pp|rep|acc|m|v|z)(\d+)", word)
-    if match:
-        return {_DEGREES[match[1]]: int(match[2])}
-    if word in SCHEDULES or word.replace("-", "_") in SCHEDULES:
-        return {"pp_schedule": word.replace("-", "_")}
-    if word in _FLAGS:
-        return dict([_FLAGS[word]])
-    if word == "ac" or word.startswith("ac="):
-        mode = word[3:] or "every"
-        return {"activation_checkpointing": int(mode) if mode.isdigit() else None if mode == "none" else mode}
-    if word.startswith("reduce="):
-        return {"reduce_dtype": word[len("reduce="):]}
-    raise ValueError(f"layout {text!r}: cannot read {word!r}. A layout is {LAYOUT_SYNTAX}.")
+    return Layout(**values)
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes on one GPU of the pipeline stage ``stage`` (``"only"`` without pipelining, ``"first"``, ``"last"``)."""
+    """Bytes on one GPU of the pipeline stage ``stage`` (``"only"`` without pipelining, ``"first"``, ``"middle"``,
+    ``"last"``)."""
 
     stage: str
     parameters: float

@@ -16,8 +16,8 @@ the stage and two blocks' all-gather buffers; none without FSDP2, which HybridSt
 data-parallel rank (d·R = 1) except for bf16-mixed (its casting policy) and offload. With pp > 1 torch's pipeline
 keeps parameters gathered after a backward and accumulates *unsharded* gradients (reduce dtype: fp32, or bf16 with
 ``reduce_dtype="bf16"``) until the last microbatch: both ZeRO levels hold the whole stage gathered, and its full
-gradients instead of the sharded ones (and the sharded ones as well when ``accumulate`` > 1 adds to them between
-pipeline steps). With p = 1 FSDP2 reduce-scatters each accumulation step and adds the result to the sharded
+gradients instead of the sharded ones (and, under FSDP2, the sharded ones as well when ``accumulate`` > 1 adds to
+them between pipeline steps). With p = 1 FSDP2 reduce-scatters each accumulation step and adds the result to the sharded
 gradients: no unsharded copy.
 
 Activations per block and microbatch: Korthikanti et al. 2022, Table 2, per tensor (so GQA, ``ffn_hidden``, gated
@@ -27,12 +27,12 @@ s·b·h·(10 + 24/t + 5·a·s/(h·t)), 34 + 5·a·s/h at t = 1 (no sequence para
 doubles tensors, not 1-byte masks. Checkpointed blocks (``"every"``, or every N-th): s·b·h per block, and one
 block's working set for the recompute. ``"selective"``: what the policy keeps (:func:`selective_layer_bytes`), and
 one block's recomputed rest. Chunk-microbatches held on rank r: one with p = 1 (accumulation steps run in turn),
-GPipe m, 1F1B min(m, p − r), interleaved min(m·v, (v−1)·p + 2·(p−1−r) + 1) (torch's warm-up). Receive buffers:
-torch's ``PipelineStage`` allocates one b·s·h tensor per microbatch for every stage that receives activations (all
-but the first) and every stage that receives gradients (all but the last), and keeps them: m per direction and
-stage (Megatron allocates a message's tensor when it arrives). Last stage: logits b·s·V and the loss's log-softmax
-per microbatch held (GPipe m, else 1), ÷ t with ``loss_parallel``. A layout fits if its total is at most
-``usable_memory_fraction`` of the GPU.
+GPipe m, 1F1B min(m, p − r), interleaved min(m·v, (v−1)·p + 2·(p−1−r) + 1) (torch's warm-up). Receive
+buffers: torch's ``PipelineStage`` allocates one b·s·h tensor per microbatch for every stage that receives
+activations (all but the first) and every stage that receives gradients (all but the last), and keeps them: m per
+direction and stage (Megatron allocates a message's tensor when it arrives). Last stage: logits b·s·V and the
+loss's log-softmax per microbatch held (GPipe m, else 1), ÷ t with ``loss_parallel``. A layout fits if its total is
+at most ``usable_memory_fraction`` of the GPU.
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ def rank_memory(step: StepShape, rank: PipelineRank) -> MemoryBreakdown:
     logits = (held_losses + 1) * step.micro_batch * step.model.seq_len * step.model.vocab * step.bytes.compute
     if step.layout.loss_parallel:
         logits /= step.vocab_shards  # the logits stay sharded over the vocabulary
+    # Under a pipeline FSDP2's sharded gradients exist beside the unsharded ones once accumulation adds to them.
+    keeps_sharded = step.schedule is None or (step.pipeline_steps > 1 and step.fsdp)
     states = {"parameters": sharded * step.bytes.parameter, "optimizer_state": sharded * step.bytes.optimizer,
-              "gradients": sharded * step.bytes.gradient if step.schedule is None or step.pipeline_steps > 1 else 0.0}
+              "gradients": sharded * step.bytes.gradient if keeps_sharded else 0.0}
     unsharded_gradients = local * step.bytes.reduce if step.schedule is not None else 0.0
     offloaded = sum(states.values()) if step.layout.offload else 0.0
     if step.layout.offload:
