@@ -51,10 +51,10 @@ GPU_PRESETS: dict[str, GpuSpec] = {
 }
 
 #: The share of the dense peak the presets' matrix multiplications reach. With the memory-bound kernels charged
-#: apart (``memory_bandwidth``), this is the matmuls' own efficiency: 0.7 is what Narayanan et al. 2021's
-#: smallest Table 1 run (1.7B, data parallel only, 46 % of its kernel time memory-bound by the planner's count)
-#: implies on A100s, and with it the planner is within 15 % on the other nine rows (BENCHMARKS.md, "Planner"). The
-#: other presets take the same share (not checked against a published run).
+#: apart (``memory_bandwidth``), this is the matmuls' own efficiency, one value for every GPU: on A100s it puts the
+#: planner within −9 % … +12 % of all ten rows of Narayanan et al. 2021's Table 1 (0.68 would centre them) and
+#: within −8 % … +9 % of torchtitan's FSDP2 runs (BENCHMARKS.md, "Planner: predicted vs measured"); on other GPUs
+#: it is not checked against a published run (torchtitan's power-limited H100s ran at a much lower share).
 PRESET_MATMUL_EFFICIENCY = 0.7
 #: CPU memory bandwidth per GPU for an offloaded optimizer step (assumed: a DGX A100's two 8-channel DDR4-3200
 #: sockets, 410 GB/s, shared by 8 GPUs is 51 GB/s each; half of that for torch's CPU AdamW).

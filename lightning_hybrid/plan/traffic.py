@@ -3,9 +3,9 @@ bandwidth (``Cluster.memory_bandwidth``) next to the matmuls' FLOPs.
 
 Why it matters: a block's matmuls grow as h² per token, its element-wise kernels (norms, residual adds, dropout,
 the MLP's activation, a materialized attention's softmax) as h and a·s. A small model spends a large share of its
-time in them and a large one little: on Narayanan et al. 2021's Table 1 the count below is 46 % of the matmul time
-at 1.7B (h = 2304, materialized scores) and 5 % at 1T (h = 25600, t = 8), which is most of why their throughput
-per GPU grows with the model while one efficiency per GPU cannot (BENCHMARKS.md, "Planner").
+time in them and a large one little: on Narayanan et al. 2021's Table 1 the blocks' count below takes 44 % of the
+matmul time at 1.7B (h = 2304, materialized scores) and 5 % at 1T (h = 25600, t = 8), which is most of why their
+throughput per GPU grows with the model while one efficiency per GPU cannot (BENCHMARKS.md, "Planner").
 
 Per token and block on one tp rank, forward, E bytes per element (1-byte dropout masks), reads + writes:
 

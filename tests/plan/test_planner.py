@@ -189,6 +189,8 @@ MEASURED = {
     "pp2-gpipe-m4": (2, Layout(pp=2, pp_schedule="gpipe", microbatches=4), 17.38, 6.180),
     "tp2-pp2": (4, Layout(tp=2, pp=2, microbatches=2), 11.30, 3.246),
     "pp2-ac": (2, Layout(pp=2, microbatches=2, activation_checkpointing="every"), 5.77, 6.301),
+    "dp1-ac2": (1, Layout(activation_checkpointing=2), 24.59, 12.481),  # blocks 1 and 3 checkpointed
+    "dp1-sac": (1, Layout(activation_checkpointing="selective"), 25.08, 12.481),
 }
 
 
