@@ -190,12 +190,23 @@ def terms() -> str:
     return "\n".join(lines)
 
 
+#: Printed under the table: how the prediction, which is HybridStrategy's, differs from the published system.
+DIFFERENCES = (
+    "Predicted: HybridStrategy on the published configuration. It differs from Megatron-LM 2021 in: FSDP2 instead"
+    " of a data-parallel all-reduce (the same gradient bytes, all-gathers hidden); whole b·s·h pipeline messages from"
+    " every tp rank (Megatron's scatter/gather sends 1/t); fp32 unsharded gradient accumulation per microbatch under"
+    " a pipeline; torch's receive buffers, one per microbatch, stage and direction (at 530B and 1T more than the GPU"
+    " holds: the published configuration does not fit, --best shows what does).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--terms", action="store_true", help="also print each row's time terms and memory")
     parser.add_argument("--best", action="store_true", help="also search the fastest layout that fits (a minute)")
     args = parser.parse_args()
     print(table(args.best))
+    print()
+    print(DIFFERENCES)
     if args.terms:
         print()
         print(terms())
