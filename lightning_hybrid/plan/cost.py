@@ -13,8 +13,9 @@ Example::
     print(best.layout, best.time.step, best.memory.total / 2**30)
     estimate(llama7b, cluster, Layout(dp=8, tp=4), global_batch=256)   # one layout's breakdown
 
-or ``lightning-hybrid plan --params 7e9 --seq-len 4096 --gpu h100-sxm --nodes 4 --global-batch 256``, or inside a
-run ``HybridStrategy(tp="auto", pp="auto")`` (:mod:`lightning_hybrid.plan.auto_layout`).
+or ``lightning-hybrid plan --params 7e9 --seq-len 4096 --gpu h100-sxm --nodes 4 --global-batch 256`` (with
+``--layout "dp8 tp4"`` one layout's breakdown and rank), or inside a run ``HybridStrategy(tp="auto", pp="auto")``
+(:mod:`lightning_hybrid.plan.auto_layout`).
 
 Symbols: b sequences per microbatch, s sequence, h hidden, a heads, V vocabulary, L layers; t, d, R, p, v, m =
 tp, dp (shard), dp_replicate, pp, virtual stages, microbatches. The formulas: memory in :mod:`~.memory`, time in
