@@ -41,8 +41,8 @@ Three tables, printed as Markdown:
 2. **Memory, predicted vs measured**: model states, activations (+ logits and the loss's log-softmax) and
    gathered parameters per rank, the largest over the ranks, measured by running ``benchmarks/memory.py``'s
    layouts with its own functions (its GPT: 4 blocks, width 128, vocabulary 64, sequence 64, global batch 16,
-   fp32; what is measured and how: its docstring), next to ``estimate(...)`` for the same layouts. Layouts the
-   planner does not model (every-2nd-block and selective checkpointing) are left out.
+   fp32; what is measured and how: its docstring), next to ``estimate(...)`` for the same layouts (every-2nd-block
+   and selective checkpointing included).
 
 3. **Published figures**: ZeRO (Rajbhandari et al. 2020), Table 1: model-state memory per GPU of a 7.5B-parameter
    model on 64 GPUs with mixed-precision Adam (K = 12); and the same paper's Section 3.2 activation figure: GPT-2
@@ -423,7 +423,7 @@ def relative_error(predicted: float, measured: float) -> str:
 
 
 # =================================================================================================== memory
-#: ``benchmarks/memory.py`` layouts the planner models (not every-N or selective checkpointing): ranks, layout.
+#: ``benchmarks/memory.py``'s layouts, as the planner writes them: ranks, layout.
 MEMORY_LAYOUTS: dict[str, tuple[int, Layout]] = {
     "dp1": (1, Layout()),  # HybridStrategy on one rank ("single" is plain Lightning, no strategy)
     "dp1-ac": (1, Layout(activation_checkpointing="every")),
@@ -438,6 +438,9 @@ MEMORY_LAYOUTS: dict[str, tuple[int, Layout]] = {
     "dp2-z3-ac": (2, Layout(dp=2, zero=3, activation_checkpointing="every")),
     "tp2-ac": (2, Layout(tp=2, activation_checkpointing="every")),
     "pp2-ac": (2, Layout(pp=2, microbatches=2, activation_checkpointing="every")),
+    "dp1-ac2": (1, Layout(activation_checkpointing=2)),
+    "dp1-sac": (1, Layout(activation_checkpointing="selective")),
+    "tp2-sac": (2, Layout(tp=2, activation_checkpointing="selective")),
 }
 
 

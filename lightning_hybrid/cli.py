@@ -6,6 +6,7 @@ Usage::
     lightning-hybrid export CHECKPOINT_FOLDER OUTPUT_DIR --hf
     python -m lightning_hybrid export CHECKPOINT_FOLDER OUTPUT      # the same without the installed script
     lightning-hybrid plan --params 7e9 --seq-len 4096 --gpu h100-sxm --nodes 4 --global-batch 256 [--json]
+    lightning-hybrid plan ... --layout "tp8 pp8 interleaved_1f1b m96 ac"     # one layout's breakdown and rank
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lightning_hybrid.plan.hardware import GIB, GPU_PRESETS, Cluster
+from lightning_hybrid.plan.syntax import LAYOUT_SYNTAX
 
 # The planner and the checkpoint reader need torch; they load once a command runs, so --help answers at once.
 if TYPE_CHECKING:
@@ -124,6 +126,8 @@ def _add_plan_command(commands: Any) -> None:
     model.add_argument("--dropout", action="store_true", help="count dropout masks in the activations")
     model.add_argument("--eager-attention", action="store_true",
                        help="attention scores are materialized (no flash/memory-efficient SDPA)")
+    model.add_argument("--fused-kernels", action="store_true", help="the blocks' element-wise chains run as fused"
+                       " kernels (Megatron-style); without it they are timed as eager PyTorch runs them")
     cluster = plan.add_argument_group("cluster")
     cluster.add_argument("--gpu", help="preset: " + ", ".join(GPU_PRESETS))
     cluster.add_argument("--gpu-memory-gib", type=float, help="memory per GPU, GiB")
@@ -132,13 +136,27 @@ def _add_plan_command(commands: Any) -> None:
     cluster.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU and direction between nodes")
     cluster.add_argument("--latency-us", type=float,
                          help="µs every collective or message costs whatever its size (presets 20, else 0)")
+    cluster.add_argument("--memory-gbps", type=float, help="GPU memory bandwidth, GB/s: times the memory-bound"
+                         " kernels apart from the matmuls (presets: the datasheet's; else not charged apart)")
     cluster.add_argument("--nodes", type=int, default=1)
     cluster.add_argument("--gpus-per-node", type=int, default=8)
-    cluster.add_argument("--efficiency", type=float, default=0.5, help="achievable share of peak (default 0.5)")
+    cluster.add_argument("--efficiency", type=float, help="achievable share of peak: of the matmuls where the"
+                         " memory bandwidth is known (presets 0.7), else of all compute (default 0.5)")
+    _add_strategy_options(plan)
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     plan.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed (default), bf16-true or 16-true")
+    plan.add_argument("--layout", help="show this layout's breakdown and rank instead of the ranking, e.g. 'tp8 pp8"
+                      " interleaved_1f1b m96 ac' (dp: the GPUs left; words: " + LAYOUT_SYNTAX + ")")
     plan.add_argument("--top", type=int, default=10, help="layouts to show, of each kind (default 10)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _add_strategy_options(plan: argparse.ArgumentParser) -> None:
+    strategy = plan.add_argument_group("HybridStrategy options applied to every layout")
+    strategy.add_argument("--compile", action="store_true", help="compile=True: element-wise chains fused")
+    strategy.add_argument("--offload", action="store_true", help="offload=True: model states in CPU memory")
+    strategy.add_argument("--reduce-dtype", choices=("fp32", "bf16"), help="reduce_dtype= of the gradients")
+    strategy.add_argument("--loss-parallel", action="store_true", help="loss_parallel=True (tp > 1, no pipeline)")
 
 
 def _count(text: str) -> float:
@@ -157,21 +175,81 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             raise ValueError(f"--top must be positive, got {args.top}")
         model = _model_from(args)
         cluster = _cluster_from(args)
-        estimates = plan(model, cluster, args.global_batch, args.precision)
+        options = _strategy_options(args)
+        asked = _asked_layout(args, model, cluster, options)
+        estimates = plan(model, cluster, args.global_batch, args.precision, options=options)
     except ValueError as error:
         parser.exit(2, f"lightning-hybrid plan: error: {error}\n")
     feasible = [e for e in estimates if e.feasible]
     infeasible = [e for e in estimates if not e.feasible]
     shown_feasible, shown_infeasible = feasible[: args.top], infeasible[: args.top]
     if args.json:
-        print(json.dumps({
+        report = {
             "model": {**asdict(model), "total_parameters": model.total_parameters}, "cluster": asdict(cluster),
             "global_batch": args.global_batch, "precision": args.precision, "layouts_considered": len(estimates),
             "feasible": [e.to_dict() for e in shown_feasible], "infeasible": [e.to_dict() for e in shown_infeasible],
-        }, indent=2))
+        }
+        if asked is not None:
+            report["layout"] = {**asked.to_dict(), "rank": _rank(asked, estimates)}
+        print(json.dumps(report, indent=2))
         return
     print(_describe(model, cluster, args, len(feasible), len(estimates)))
+    if asked is not None:
+        print(_layout_report(asked, estimates))
+        return
     print(_table(shown_feasible + shown_infeasible))
+
+
+def _strategy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Layout fields the HybridStrategy flags set on every candidate."""
+    given = {"compile": args.compile, "offload": args.offload, "loss_parallel": args.loss_parallel,
+             "reduce_dtype": args.reduce_dtype}
+    return {name: value for name, value in given.items() if value}
+
+
+def _asked_layout(args: argparse.Namespace, model: ModelShape, cluster: Cluster,
+                  options: dict[str, Any]) -> Optional[Estimate]:
+    """The estimate of ``--layout`` (the strategy flags added to its own words), or None without it."""
+    if args.layout is None:
+        return None
+    from lightning_hybrid.plan.cost import estimate
+    from lightning_hybrid.plan.layout import parse_layout
+
+    layout = replace(parse_layout(args.layout, cluster.gpus), **options)
+    return estimate(model, cluster, layout, args.global_batch, args.precision)
+
+
+def _rank(asked: Estimate, estimates: list[Estimate]) -> Optional[int]:
+    from lightning_hybrid.plan.search import rank_of
+
+    return rank_of(asked, estimates)
+
+
+def _layout_report(asked: Estimate, estimates: list[Estimate]) -> str:
+    """One layout's table row, its breakdown line by line, and where it ranks."""
+    feasible = [e for e in estimates if e.feasible]
+    memory, time = asked.memory, asked.time
+    lines = [_table([asked]), "",
+             f"Memory on the fullest GPU ({memory.stage} stage): parameters {memory.parameters / GIB:.2f} GiB,"
+             f" gradients {memory.gradients / GIB:.2f}, optimizer state {memory.optimizer_state / GIB:.2f},"
+             f" gathered parameters {memory.gathered_parameters / GIB:.2f}, activations {memory.activations / GIB:.2f}"
+             f" (of which pipeline receive buffers {memory.receive_buffers / GIB:.2f}), logits"
+             f" {memory.logits / GIB:.2f}: {memory.total / GIB:.2f} GiB"
+             + (f"; in CPU memory {memory.offloaded / GIB:.2f} GiB" if memory.offloaded else ""),
+             f"Seconds per step on the busiest rank: compute {time.compute:.3f} (matmuls"
+             f" {time.compute - time.memory_bound:.3f}, memory-bound kernels {time.memory_bound:.3f}), tensor parallel"
+             f" {time.tensor_parallel:.3f}, pipeline messages {time.pipeline:.3f}, bubble {time.bubble:.3f},"
+             f" data parallel {time.data_parallel:.3f} ({time.data_parallel_exposed:.3f} exposed), optimizer"
+             f" {time.optimizer:.3f}: {time.step:.3f} s, {asked.tokens_per_second:,.0f} tokens/s, MFU {asked.mfu:.1%}"]
+    rank = _rank(asked, estimates)
+    fastest = f"the fastest, {feasible[0].layout}, takes {feasible[0].time.step:.3f} s" if feasible else "none fits"
+    if rank is None:
+        lines.append(f"It does not fit ({'; '.join(asked.reasons)}). Of {len(estimates)} layouts {len(feasible)} fit;"
+                     f" {fastest}.")
+    else:
+        lines.append(f"Rank {rank} of {len(feasible)} layouts that fit ({len(estimates)} considered); {fastest}"
+                     f" ({time.step / feasible[0].time.step - 1:+.1%} for this one).")
+    return "\n".join(lines)
 
 
 def _model_from(args: argparse.Namespace) -> ModelShape:
@@ -207,7 +285,8 @@ def _model_from(args: argparse.Namespace) -> ModelShape:
         shape = ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
                            seq_len=args.seq_len, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                            gated_mlp=args.gated_mlp, tied_embeddings=args.tied_embeddings)
-    return replace(shape, dropout=args.dropout, flash_attention=not args.eager_attention)
+    return replace(shape, dropout=args.dropout, flash_attention=not args.eager_attention,
+                   fused_elementwise=args.fused_kernels)
 
 
 def _refuse_unused(args: argparse.Namespace, way: str, *flags: str) -> None:
@@ -222,9 +301,10 @@ def _cluster_from(args: argparse.Namespace) -> Cluster:
                "--intra-node-gbps": ("intra_node_bandwidth", args.intra_node_gbps, 1e9),
                "--inter-node-gbps": ("inter_node_bandwidth", args.inter_node_gbps, 1e9)}
     given = {name: value * unit for name, value, unit in numbers.values() if value is not None}
-    if args.latency_us is not None:
-        given["latency"] = args.latency_us * 1e-6
-    common = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
+    optional = {"latency": (args.latency_us, 1e-6), "memory_bandwidth": (args.memory_gbps, 1e9),
+                "efficiency": (args.efficiency, 1)}
+    given.update({name: value * unit for name, (value, unit) in optional.items() if value is not None})
+    common = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     if args.gpu is not None:
         return Cluster.preset(args.gpu, precision=args.precision, **common, **given)
     missing = [flag for flag, (name, _, _) in numbers.items() if name not in given]
@@ -235,29 +315,32 @@ def _cluster_from(args: argparse.Namespace) -> Cluster:
 
 def _describe(model: ModelShape, cluster: Cluster, args: argparse.Namespace, fitting: int, considered: int) -> str:
     mlp = f"ffn {model.ffn_hidden}{' gated' if model.gated_mlp else ''}"
+    compute = f"{cluster.peak_flops / 1e12:g} TFLOP/s peak at {cluster.efficiency:.0%} efficiency"
+    if cluster.memory_bandwidth:
+        compute += f" (matmuls; memory-bound kernels at {cluster.memory_bandwidth / 1e9:g} GB/s)"
     return "\n".join([
         f"Model: {model.total_parameters:,} parameters ({model.layers} layers, hidden {model.hidden},"
         f" {model.heads} heads, {model.kv_heads} kv heads, {mlp}, vocab {model.vocab}, sequence {model.seq_len})",
         f"Cluster: {cluster.nodes} × {cluster.gpus_per_node} GPUs of {cluster.memory_bytes / GIB:g} GiB"
-        f" ({cluster.usable_memory / GIB:.1f} usable), {cluster.peak_flops / 1e12:g} TFLOP/s peak at"
-        f" {cluster.efficiency:.0%} efficiency, {cluster.intra_node_bandwidth / 1e9:g} GB/s in a node,"
-        f" {cluster.inter_node_bandwidth / 1e9:g} GB/s between nodes, {cluster.latency * 1e6:g} µs per message",
+        f" ({cluster.usable_memory / GIB:.1f} usable), {compute}, {cluster.intra_node_bandwidth / 1e9:g} GB/s in a"
+        f" node, {cluster.inter_node_bandwidth / 1e9:g} GB/s between nodes, {cluster.latency * 1e6:g} µs per message",
         f"Global batch {args.global_batch} sequences, {args.precision}: {fitting} of {considered} layouts fit.",
         "GiB per GPU on the fullest pipeline stage (states: parameters + gradients + AdamW moments; activ.: with"
-        " pipeline buffers); seconds per step on the busiest rank (dp: exposed data-parallel traffic). accN:"
-        " Trainer(accumulate_grad_batches=N); mN: pipeline microbatches.",
+        " pipeline buffers); seconds per step on the busiest rank (dp: exposed data-parallel traffic; opt: the"
+        " optimizer step). accN: Trainer(accumulate_grad_batches=N); mN: pipeline microbatches; ac: activation"
+        " checkpointing.",
     ])
 
 
 def _table(estimates: list[Estimate]) -> str:
     header = ["#", "layout", "states", "gathered", "activ.", "logits", "total", "compute", "tp", "pp", "dp",
-              "bubble", "step s", "tokens/s", "MFU", "fits"]
+              "bubble", "opt", "step s", "tokens/s", "MFU", "fits"]
     rows = []
     for index, e in enumerate(estimates, 1):
         memory = [e.memory.model_states, e.memory.gathered_parameters, e.memory.activations, e.memory.logits,
                   e.memory.total]
         time = [e.time.compute, e.time.tensor_parallel, e.time.pipeline, e.time.data_parallel_exposed, e.time.bubble,
-                e.time.step]
+                e.time.optimizer, e.time.step]
         rows.append([str(index), str(e.layout)] + [f"{value / GIB:.1f}" for value in memory]
                     + [f"{value:.3f}" for value in time]
                     + [f"{e.tokens_per_second:,.0f}", f"{e.mfu:.1%}"]

@@ -192,10 +192,13 @@ class HybridOptions:
         return AUTO in (self.tp, self.pp)
 
     @property
-    def planned_checkpointing(self) -> Optional[str]:
-        """The checkpointing the planner models for these options: full (``"every"``) or, for every-N-th and
-        selective, none (the upper bound of their memory)."""
-        return "every" if self.checkpointing == CheckpointPlan(every=1) else None
+    def planned_checkpointing(self) -> Union[None, str, int]:
+        """These options' checkpointing as the planner's ``Layout`` spells it: None, ``"every"``, ``"selective"``
+        or N (every N-th block)."""
+        plan = self.checkpointing
+        if plan is None:
+            return None
+        return "selective" if plan.selective else "every" if plan.every == 1 else plan.every
 
     def with_degrees(self, dp: int, tp: int, pp: int, dp_replicate: int) -> "HybridOptions":
         """These options with a chosen layout's degrees (the schedule resolved for its pp); ``cluster``, which

@@ -76,7 +76,7 @@ def _measure_run(module: nn.Module, blocks_path: str, block_call: tuple[tuple, d
 # ------------------------------------------------------------------------------------------------- choosing
 def candidate_layouts(options: HybridOptions, world: int, accumulation: int = 1) -> list[Layout]:
     """Every layout of ``world`` devices that keeps ``options``' fixed degrees; ``accumulation`` is the Trainer's
-    ``accumulate_grad_batches`` (the planner's microbatches when pp = 1)."""
+    ``accumulate_grad_batches`` (the planner's microbatches when pp = 1, ``accumulate`` on top of a pipeline)."""
     layouts = []
     for tp in _choices(options.tp, world):
         for pp in _choices(options.pp, world):
@@ -85,12 +85,14 @@ def candidate_layouts(options: HybridOptions, world: int, accumulation: int = 1)
             if remainder or dp * tp * pp * options.dp_replicate != world:
                 continue
             pipeline = dict(pp_schedule=options.pp_schedule, microbatches=options.microbatches,
-                            virtual_stages=options.virtual_stages) if pp > 1 else dict(
+                            virtual_stages=options.virtual_stages, accumulate=accumulation) if pp > 1 else dict(
                                 microbatches=accumulation if accumulation > 1 else None)
             zero = options.zero_given if options.zero_given is not None else default_zero_level(pp > 1)
             layouts.append(Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, zero=int(zero),
                                   activation_checkpointing=options.planned_checkpointing,
-                                  shard_vocab=options.shard_vocab, **pipeline))
+                                  shard_vocab=options.shard_vocab, compile=options.compile_arguments is not None,
+                                  offload=options.offload, reduce_dtype=options.reduce_dtype,
+                                  loss_parallel=options.loss_parallel, **pipeline))
     return layouts
 
 

@@ -41,6 +41,9 @@ class ModelShape:
     tied_embeddings: bool = False
     dropout: bool = False  # dropout masks are saved for backward
     flash_attention: bool = True  # False: attention scores are materialized, a·s² per sequence
+    # the blocks' element-wise chains run as fused kernels (Megatron's bias-GeLU, bias-dropout-add and
+    # scale-mask-softmax); False: one kernel per operation, as eager PyTorch runs them (compile=True fuses them)
+    fused_elementwise: bool = False
     parameters_per_block: Optional[int] = None
     whole_parameters_per_block: Optional[int] = None  # left whole by tensor parallelism
     first_stage_parameters: Optional[int] = None  # embeddings

@@ -184,6 +184,10 @@ def test_accumulation_is_the_planners_microbatches_without_a_pipeline() -> None:
     assert dp4.layout == Layout(dp=4, microbatches=4)
     # 4 sequences per rank and step, 4 steps per optimizer step, 4 ranks: 64 sequences of 2048 tokens per step.
     assert dp4.tokens_per_second * dp4.time.step == pytest.approx(64 * 2048)
+    # On top of a pipeline the accumulation steps are pipeline steps, each with its microbatches and bubble.
+    piped = choose_layout(MODEL, cluster(80), replace(AUTO_LAYOUT, pp=2, tp=1), 4, "bf16-mixed", accumulation=4)
+    assert {e.layout.accumulate for e in piped} == {4}
+    assert piped[0].tokens_per_second * piped[0].time.step == pytest.approx(2 * 4 * 4 * 2048)  # dp2 · 4 · 4
 
 
 def test_when_nothing_fits_the_error_says_what_would() -> None:

@@ -1,0 +1,124 @@
+"""A second published anchor for the planner: torchtitan's FSDP2 throughput (tokens per second per GPU), the system
+closest to HybridStrategy's data parallelism (FSDP2, bf16 parameters, fp32 gradient reduction, ZeRO-3).
+
+Sources, pytorch/torchtitan ``docs/performance.md``:
+
+* at commit 0413364 (2024): Llama 3 8B / 70B and Llama 2 13B / 70B, FSDP2 alone on 64 A100-80GB, local batch 1 or
+  2, sequence 8192 (Llama 3) or 4096 (Llama 2), activation checkpointing none, "selective layer" (every 2nd block:
+  torchtitan's ``selective_ac_option = "2"``, HybridStrategy's ``activation_checkpointing=2``), "selective op" or
+  full. The page does not state the network; the planner takes the ``a100-80gb`` preset's DGX A100 (25 GB/s per
+  GPU) and also prints each row at 50 GB/s.
+* at commit eaea6f6 (2025): Llama 3.1 8B, FSDP2 on 8 and 128 H100 (96 GB HBM2e at 2.4 TB/s, a 500 W power limit,
+  400 Gb/s per GPU), local batch 2, sequence 8192, selective op checkpointing, eager and ``torch.compile``. The page
+  says the peak FLOP/s of these power-limited GPUs is unknown (between H100 SXM's and NVL's); the planner is run at
+  both ends, 989 and 835 TFLOP/s.
+
+Where torchtitan differs from what the planner prices: its "selective op" policy saves every *other* matmul output
+and recomputes the rest (HybridStrategy's ``"selective"`` keeps them all: less recompute, more memory), its RMSNorm
+and rotary embeddings run as several eager kernels each (the planner counts a norm as one kernel and no rotary
+embedding), and each row's network is an assumption. The "selective op" rows are predicted with HybridStrategy's
+policy.
+
+Usage::
+
+    python benchmarks/planner_torchtitan.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import NamedTuple, Union
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from lightning_hybrid.plan.cost import estimate  # noqa: E402
+from lightning_hybrid.plan.hardware import Cluster  # noqa: E402
+from lightning_hybrid.plan.layout import Estimate, Layout  # noqa: E402
+from lightning_hybrid.plan.model import ModelShape  # noqa: E402
+
+LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, gated_mlp=True, vocab=128256,
+                       seq_len=8192)
+LLAMA3_70B = ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, gated_mlp=True,
+                        vocab=128256, seq_len=8192)
+LLAMA2_13B = ModelShape(layers=40, hidden=5120, heads=40, ffn_hidden=13824, gated_mlp=True, vocab=32000,
+                        seq_len=4096)
+LLAMA2_70B = ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, gated_mlp=True, vocab=32000,
+                        seq_len=4096)
+
+
+class Run(NamedTuple):
+    """One published row: model, GPUs, sequences per GPU, checkpointing (HybridStrategy's spelling), compile,
+    published tokens/s per GPU, and what the page calls it."""
+
+    name: str
+    model: ModelShape
+    gpus: int
+    local_batch: int
+    checkpointing: Union[None, str, int]
+    compile: bool
+    published: float
+    published_as: str
+
+
+A100_RUNS = (
+    Run("Llama 3 8B", LLAMA3_8B, 64, 1, 2, False, 2904, "selective layer"),
+    Run("Llama 3 8B", LLAMA3_8B, 64, 1, "selective", False, 2973, "selective op"),
+    Run("Llama 3 70B", LLAMA3_70B, 64, 1, "every", False, 331, "full"),
+    Run("Llama 2 13B", LLAMA2_13B, 64, 2, None, False, 2162, "no"),
+    Run("Llama 2 13B", LLAMA2_13B, 64, 2, 2, False, 1914, "selective layer"),
+    Run("Llama 2 13B", LLAMA2_13B, 64, 2, "selective", False, 1904, "selective op"),
+    Run("Llama 2 70B", LLAMA2_70B, 64, 1, "selective", False, 355, "selective op"),
+    Run("Llama 2 70B", LLAMA2_70B, 64, 2, "every", False, 353, "full"),
+)
+H100_RUNS = (
+    Run("Llama 3.1 8B", LLAMA3_8B, 8, 2, "selective", False, 5762, "selective op"),
+    Run("Llama 3.1 8B", LLAMA3_8B, 8, 2, "selective", True, 6667, "selective op, torch.compile"),
+    Run("Llama 3.1 8B", LLAMA3_8B, 128, 2, "selective", False, 5605, "selective op"),
+    Run("Llama 3.1 8B", LLAMA3_8B, 128, 2, "selective", True, 6514, "selective op, torch.compile"),
+)
+
+
+def predict(run: Run, cluster: Cluster) -> Estimate:
+    layout = Layout(dp=run.gpus, activation_checkpointing=run.checkpointing, compile=run.compile)
+    return estimate(run.model, cluster, layout, run.local_batch * run.gpus)
+
+
+def a100(run: Run, network_gbps: float = 25) -> Cluster:
+    return Cluster.preset("a100-80gb", nodes=run.gpus // 8, inter_node_bandwidth=network_gbps * 1e9)
+
+
+def grand_teton(run: Run, peak_tflops: float) -> Cluster:
+    """torchtitan's H100 hosts: 96 GB HBM2e at 2.4 TB/s, 400 Gb/s per GPU, a peak between SXM's and NVL's."""
+    return Cluster.preset("h100-sxm", nodes=max(1, run.gpus // 8), memory_bytes=96e9, memory_bandwidth=2.4e12,
+                          peak_flops=peak_tflops * 1e12)
+
+
+def tokens_per_gpu(run: Run, result: Estimate) -> float:
+    return result.tokens_per_second / run.gpus
+
+
+def _cell(run: Run, result: Estimate) -> str:
+    text = f"{tokens_per_gpu(run, result):,.0f} ({tokens_per_gpu(run, result) / run.published:.2f})"
+    return text if result.feasible else text + f", out of memory ({result.memory.total / 2**30:.0f} GiB)"
+
+
+def table() -> str:
+    lines = ["| model | GPUs | local batch | checkpointing (torchtitan's name) | published tokens/s/GPU |"
+             " predicted (/ published), 25 GB/s | at 50 GB/s per GPU |", "|" + " --- |" * 7]
+    for run in A100_RUNS:
+        lines.append(f"| {run.name} | {run.gpus} A100 | {run.local_batch} | {run.published_as} | {run.published:,} |"
+                     f" {_cell(run, predict(run, a100(run)))} | {_cell(run, predict(run, a100(run, 50)))} |")
+    lines += ["", "| model | GPUs | checkpointing | published tokens/s/GPU | predicted (/ published), 989 TFLOP/s |"
+                  " at 835 TFLOP/s |", "|" + " --- |" * 6]
+    for run in H100_RUNS:
+        lines.append(f"| {run.name} | {run.gpus} H100 | {run.published_as} | {run.published:,} |"
+                     f" {_cell(run, predict(run, grand_teton(run, 989)))} |"
+                     f" {_cell(run, predict(run, grand_teton(run, 835)))} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
