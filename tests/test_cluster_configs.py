@@ -322,7 +322,7 @@ def test_plan_command_describes_the_configs_model_cluster_batch_and_precision(
     command = read_header(path).plan
     assert command[0] == "lightning-hybrid" and command[1] == "plan", f"{path.name}: {command}"
     asked: list[tuple[ModelShape, Cluster, int, str]] = []
-    monkeypatch.setattr(search, "plan", lambda *arguments: asked.append(arguments) or [])
+    monkeypatch.setattr(search, "plan", lambda *arguments, **options: asked.append(arguments) or [])
     lightning_hybrid_main(command[1:] + ["--json"])
     capsys.readouterr()
     run = training(path, named_cluster(path))
