@@ -1,7 +1,8 @@
 """The main recipe runs with the strategy on CPU and writes TensorBoard logs that hold the training loss, the
 strategy monitor's figures and the pipeline timeline; its console shows the whole model's summary, one current loss
-and tokens/s over the logging window in the progress bar, and no warnings. Both recipes are LightningCLI programs: their configuration round-trips through ``--print_config``, and command-line options reach
-``HybridStrategy`` and the links fill the derived values (checked without training)."""
+and tokens/s over the logging window in the progress bar, and no warnings. Both recipes are LightningCLI programs:
+their configuration round-trips through ``--print_config``, and command-line options reach ``HybridStrategy`` and
+the links fill the derived values (checked without training)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def test_recipe_defaults_train_tp_x_pp_and_log_to_tensorboard(tmp_path: Path) ->
     command = [sys.executable, "recipes/pretrain_gpt.py", "--trainer.max_steps", "20",
                "--trainer.logger.save_dir", str(tmp_path), "--trainer.strategy.monitor.timeline_every_n_steps", "10",
                "--trainer.strategy.monitor.peak_flops", "1e11",
-               "--trainer.callbacks+=tests.observe.drawn_bar.RecordingRichProgressBar", f"--trainer.callbacks.path={drawn}"]
+               "--trainer.callbacks+=tests.observe.drawn_bar.RecordingRichProgressBar",
+               f"--trainer.callbacks.path={drawn}"]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     output = done.stdout + done.stderr

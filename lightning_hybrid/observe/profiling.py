@@ -43,21 +43,30 @@ KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
 @contextlib.contextmanager
 def without_kineto_markers() -> Iterator[None]:
     """Run the block with standard error's file descriptor captured, then write back what the block wrote there
-    except kineto's start/stop markers."""
-    sys.stderr.flush()
-    saved = os.dup(2)
+    except kineto's start/stop markers. Without a standard error to capture the block just runs."""
+    _flush_python_stderr()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (a daemon, pythonw): nothing would print the markers either
+        yield
+        return
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
             yield
         finally:
-            sys.stderr.flush()
+            _flush_python_stderr()  # what Python wrote meanwhile belongs to the captured part
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            kept = [line for line in captured.read().splitlines(keepends=True) if not KINETO_MARKER.match(line)]
-            if kept:
-                os.write(2, b"".join(kept))
+            kept = b"".join(line for line in captured.read().splitlines(keepends=True) if not KINETO_MARKER.match(line))
+            while kept:
+                kept = kept[os.write(2, kept):]
+
+
+def _flush_python_stderr() -> None:
+    if sys.stderr is not None:
+        sys.stderr.flush()
 
 
 def communication_seconds(profiler: profile) -> float:

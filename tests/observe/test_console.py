@@ -6,6 +6,7 @@ the recipe's run in ``tests/test_recipe.py``."""
 from __future__ import annotations
 
 import itertools
+import os
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.observe import monitor
+from lightning_hybrid.observe.profiling import without_kineto_markers
 from lightning_hybrid.observe.progress import ProgressFigures, rate_over, shows_own_loss
 from lightning_hybrid.observe.summary import HybridModelSummary, HybridRichModelSummary, WholeModelSummary
 from tests.models import LMLightningModule, RandomTokenDataset, build_module, default_config
@@ -131,3 +133,11 @@ def test_the_monitor_is_placed_before_the_progress_bar() -> None:
                       enable_checkpointing=False, callbacks=[bar])
     monitor.add_monitor(trainer, given)
     assert trainer.callbacks.index(given) < trainer.callbacks.index(bar)
+
+
+def test_only_kinetos_markers_are_dropped_from_standard_error(capfd: pytest.CaptureFixture[str]) -> None:
+    with without_kineto_markers():
+        os.write(2, b"USDT:2026-12-02 04:25:01 2648:2648 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"[W1202 04:25:01] a real warning\n")
+        os.write(2, b"USDT:2026-12-02 04:25:02 2648:2648 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+    assert capfd.readouterr().err == "[W1202 04:25:01] a real warning\n"
