@@ -11,8 +11,8 @@ in place of Lightning's own at setup (:func:`use_whole_model_summary`), keeping 
 per pipeline stage after the table::
 
     HybridStrategy: 817,920 parameters in 2 pipeline stages, each on 2 ranks (tp 2 × dp 1):
-      stage 0: 412,032 parameters, held per rank: 206,208
-      stage 1: 405,888 parameters, held per rank: 203,136
+      stage 0: 412,928 parameters, held per rank: 211,712
+      stage 1: 404,992 parameters, held per rank: 203,776
 
 "held per rank" is what one rank stores: its tensor-parallel and FSDP2 shards, plus its copy of a weight tied
 across stages (counted in the first stage's parameters only, so the stages add up to the total).
