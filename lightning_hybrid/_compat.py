@@ -6,7 +6,10 @@ Lightning) wait inside the functions that need them, so importing this module co
 
 The strategy also uses, as a subclass, protected members of Lightning's ``ModelParallelStrategy`` that Lightning's
 own strategies use the same way: ``_precision_plugin`` (the storage behind the ``precision_plugin`` property it
-overrides) and the two reached through :func:`setup_process_group` and :func:`call_through_module` below.
+overrides) and the two reached through :func:`setup_process_group` and :func:`call_through_module` below. The
+model summary callbacks (:mod:`lightning_hybrid.observe.summary`) override ``ModelSummary._summary``, the factory in
+which Lightning's own callback chooses the summary it prints (its DeepSpeed variant is picked there): no public hook
+sets what the table counts.
 """
 
 from __future__ import annotations
@@ -219,6 +222,12 @@ def call_through_module(strategy: Any, module: Any, method: str, *args: Any, **k
     """Run ``module.<method>`` inside ``module.__call__`` (so FSDP2's root hooks fire) with Lightning's own
     forward redirection, which strategies hold privately."""
     return strategy._forward_redirection(module, module, method, *args, **kwargs)
+
+
+def summary_depth(callback: Any) -> int:
+    """The ``max_depth`` a Lightning ``ModelSummary`` callback was built with, which it keeps only as ``_max_depth``
+    (the whole-model summary builds its table to the same depth)."""
+    return callback._max_depth
 
 
 def first_loader(loop: Any) -> Any:

@@ -38,6 +38,7 @@ from lightning_hybrid.first_step import run_first_step
 from lightning_hybrid.mesh import ParallelDims, lightning_view
 from lightning_hybrid.metrics import sync_over
 from lightning_hybrid.observe.monitor import ParallelMonitor, add_monitor
+from lightning_hybrid.observe.summary import use_whole_model_summary
 from lightning_hybrid.options import DEFAULT_WATCHDOG_TIMEOUT_S, Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
 from lightning_hybrid.parallel.blocks import capture_block_call
@@ -206,6 +207,7 @@ class HybridStrategy(ModelParallelStrategy):
         if not any(isinstance(callback, CheckpointRecords) for callback in trainer.callbacks):
             trainer.callbacks.append(CheckpointRecords())
         add_monitor(trainer, self._monitor)
+        use_whole_model_summary(trainer)  # the summary table counts every pipeline stage, not rank 0's
         add_watchdog(trainer, self.options.watchdog_timeout)
         self._async_saves = async_save.attach(trainer, self.options, self._async_saves, self._timeout)
         add_replica_check(trainer, self.options.check_replicas_every_n_steps)
@@ -236,7 +238,7 @@ class HybridStrategy(ModelParallelStrategy):
         blocks = find_blocks(module, self.options)
         block_call = self._choose_layout(trainer, module, blocks.path, blocks) if self.options.chooses_layout else None
         result = parallelize(module, blocks.path, blocks, self.device_mesh, self.dims, self.options,
-                             precision=str(self.precision_plugin.precision), device=self.root_device,
+                             data_mesh=self.data_mesh, precision=str(self.precision_plugin.precision), device=self.root_device,
                              run_step=lambda microbatches=1: run_first_step(trainer, self.root_device, microbatches),
                              block_call=block_call)
         self.pipeline, self.tp_plan_applied = result.pipeline, result.tp_plan

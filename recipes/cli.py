@@ -32,6 +32,13 @@ def run_cli(cli_class: type[LightningCLI], model_class: type[LightningModule],
     warnings.filterwarnings("ignore", ".*LightningCLI's args parameter is intended to run from within Python.*")
     # The recipes' data are in memory: DataLoader worker processes would only add start-up time.
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    # `ckpt_path: last` means "resume if there is a checkpoint": a first run has none, which Lightning warns about
+    # with a hint to set save_last=True that the recipe already sets (the run's summary says where it started).
+    warnings.filterwarnings("ignore", r'.*ckpt_path="last"\) is set, but there is no last checkpoint available.*')
+    # Lightning 2.6.6's CombinedLoader builds a pytree LeafSpec, which torch 2.13 deprecates: Lightning's own call,
+    # once per validation loader and rank, that nothing in the recipe can change.
+    warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",
+                            module=r"lightning\.pytorch\.utilities\._pytree")
     defaults = {"default_config_files": [str(config)]}
     return cli_class(
         model_class, datamodule_class,

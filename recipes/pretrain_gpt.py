@@ -108,6 +108,8 @@ class PretrainCLI(LightningCLI):
 def print_summary(trainer: Trainer, history: LossHistory, elapsed: float) -> None:
     print("\n=== pretrain_gpt summary ===")
     print(f"steps: {trainer.global_step}  time: {elapsed:.1f}s")
+    checkpoints = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback is not None else None
+    print(f"resumed from: {trainer.ckpt_path}" if trainer.ckpt_path else f"started fresh (no checkpoint in {checkpoints})")
     if history.losses:
         print(f"train_loss: first {history.losses[0]:.4f}  last {history.losses[-1]:.4f}")
     val = trainer.callback_metrics.get("val_loss")

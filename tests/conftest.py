@@ -7,11 +7,13 @@ and therefore the reference numbers, depend only on those two (see ``tests/equiv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from tests.helpers import cached_runs, run_script, run_sweep
 
@@ -22,6 +24,20 @@ def pytest_configure(config: pytest.Config) -> None:
     # pyproject.toml registers the marker too; registering it here keeps `--strict-markers` happy when the tests
     # run without the project's configuration (e.g. `pytest tests/` from a bare checkout).
     config.addinivalue_line("markers", "slow: multi-process runs that take tens of seconds each")
+
+
+@pytest.fixture()
+def one_process_fit() -> Iterator[None]:
+    """For a test that fits with ``devices=1`` in the pytest process: afterwards the fit's one-rank process group
+    is destroyed (later in-process tests make their own) and the launch variables Lightning left behind
+    (``LOCAL_RANK``, ``MASTER_PORT``, ...) are removed: a later multi-process launch would inherit ``LOCAL_RANK`` and
+    take itself for an already launched rank (hang)."""
+    environment = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 @pytest.fixture(scope="session")

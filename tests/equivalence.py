@@ -62,6 +62,8 @@ What is saved (``torch.save`` on global rank 0)
 ``rank_local_parameter_bytes``  per rank, the bytes of parameter data it holds when training starts (its shards).
 ``rank_parameter_counts``  per rank, the global element count of the parameters it holds (pipeline stages hold
                   only their own).
+``summary_parameters``  (total, trainable) parameters of the model summary printed at fit start: Lightning's own in
+                  the reference, the strategy's whole-model one (every pipeline stage, tied weights once).
 ``rank_local_shapes``  per rank, ``{name: (local shape, global shape)}`` of its DTensor parameters after fit
                   (tied weights under each name).
 ``resumed_from``, ``checkpoint_seconds``  the checkpoint fit resumed from (``--ckpt-path last`` resolved) and rank 0's
@@ -101,6 +103,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
+from lightning.pytorch.utilities.model_summary import summarize  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -184,6 +187,7 @@ class RecordCallback(pl.Callback):
         self.grads_after_backward: list[bool] = []
         self.learning_rates: list[float] = []
         self.rank_parameter_counts: list[int] = []
+        self.summary_parameters: tuple[int, int] = (0, 0)
         self.rank_local_shapes: list[dict[str, tuple]] = []
         self.initial_params: dict[str, Tensor] = {}
         self.rank_linear_calls: list[int] = []
@@ -280,6 +284,7 @@ class RecordCallback(pl.Callback):
         self.rank_compiled_frames = _all_gather(counters["frames"]["ok"] - self._compiled_frames)
         # Global element counts (a DTensor's numel is its global size): what each rank holds before data sharding.
         self.rank_parameter_counts = _all_gather(sum(p.numel() for p in pl_module.parameters()))
+        self.summary_parameters = _summary_parameters(trainer, pl_module)
         self.rank_local_shapes = _all_gather({name: (tuple(p.to_local().shape), tuple(p.shape)) for name, p in
                                               pl_module.named_parameters(remove_duplicate=False)
                                               if isinstance(p, DTensor)})
@@ -421,6 +426,17 @@ def _time_checkpoint_io(strategy: Any) -> dict[str, list[float]]:
 
         setattr(strategy, f"{kind}_checkpoint", timed)
     return seconds
+
+
+def _summary_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[int, int]:
+    """(total, trainable) parameters of the model summary: HybridStrategy's (collective), else Lightning's."""
+    if hasattr(trainer.strategy, "pipeline"):  # HybridStrategy, imported lazily: the reference runs without it
+        from lightning_hybrid.observe.summary import summarize_whole_model
+
+        summary = summarize_whole_model(trainer, pl_module)
+    else:
+        summary = summarize(pl_module)
+    return summary.total_parameters, summary.trainable_parameters
 
 
 def _all_gather(value: Any) -> list[Any]:
@@ -705,6 +721,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "metric_values": recorder.metric_values,
             "model_flops": recorder.model_flops,
             "rank_parameter_counts": recorder.rank_parameter_counts,
+            "summary_parameters": recorder.summary_parameters,
             "rank_local_shapes": recorder.rank_local_shapes,
             "global_step": fit_step,
             "start_step": first_step,

@@ -1,12 +1,15 @@
 """The main recipe runs with the strategy on CPU and writes TensorBoard logs that hold the training loss, the
-strategy monitor's figures and the pipeline timeline; the progress bar shows the loss and tokens/s. Both recipes are
-LightningCLI programs: their configuration round-trips through ``--print_config``, and command-line options reach
-``HybridStrategy`` and the links fill the derived values (checked without training)."""
+strategy monitor's figures and the pipeline timeline; its console shows the whole model's summary, one current loss
+and tokens/s over the logging window in the progress bar, and no warnings. Both recipes are LightningCLI programs:
+their configuration round-trips through ``--print_config``, and command-line options reach ``HybridStrategy`` and
+the links fill the derived values (checked without training)."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,23 +24,39 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan
 from recipes import finetune_hf, pretrain_gpt
+from recipes.gpt import GPT, GPTConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Console lines that are not the recipe's own: Python warnings (``file.py:123: ...``), C++ log lines of torch,
+#: kineto or gloo (``USDT:2026-12-02 ...``, ``[W1202 04:25:01 ...``).
+NOISE = re.compile(r"\.py:\d+: |^[A-Z]+:\d{4}-\d\d-\d\d |^\[[WEI]\d{4} |Warning")
+#: Parameters of the recipe's GPT that tp=2 shards (half on each rank); the others are whole on every rank: the
+#: norms, the position embedding, the row-parallel layers' biases and the fused q|k|v projection's bias (replicated,
+#: each rank reading its rows).
+TP_SHARDED = ("c_attn.weight", "attn.c_proj.weight", "c_fc.weight", "c_fc.bias", "mlp.c_proj.weight", "wte.weight",
+              "lm_head.weight")
 
 
 @pytest.mark.slow
 def test_recipe_defaults_train_tp_x_pp_and_log_to_tensorboard(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    drawn = tmp_path / "drawn.json"  # what the progress bar drew after each batch (tests/observe/drawn_bar.py)
     command = [sys.executable, "recipes/pretrain_gpt.py", "--trainer.max_steps", "20",
                "--trainer.logger.save_dir", str(tmp_path), "--trainer.strategy.monitor.timeline_every_n_steps", "10",
-               "--trainer.strategy.monitor.peak_flops", "1e11"]
+               "--trainer.strategy.monitor.peak_flops", "1e11",
+               "--trainer.callbacks+=tests.observe.drawn_bar.RecordingRichProgressBar",
+               f"--trainer.callbacks.path={drawn}"]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     output = done.stdout + done.stderr
     assert "tensor-parallel plan (tp=2)" in output
     assert "pipeline 1f1b over 2 stages, blocks per stage [2, 2], 2 microbatches" in output
-    assert "tokens/s:" in done.stdout and "loss:" in done.stdout  # Lightning's progress bar
+    assert "tokens/s:" in done.stdout and "train_loss:" in done.stdout  # Lightning's progress bar
     assert "=== pretrain_gpt summary ===" in done.stdout and "steps: 20" in done.stdout
+    assert f"started fresh (no checkpoint in {tmp_path / 'checkpoints'})" in done.stdout
+    assert_whole_model_summary(output)
+    lines = [line for line in re.split(r"[\r\n]", output) if line.strip()]
+    assert [line for line in lines if NOISE.search(line)] == []
 
     events = sorted(tmp_path.rglob("events.out.tfevents.*"))
     assert events, f"no TensorBoard event file under {tmp_path}"
@@ -54,6 +73,38 @@ def test_recipe_defaults_train_tp_x_pp_and_log_to_tensorboard(tmp_path: Path) ->
     tflops = accumulator.Scalars("flops/tflops_per_sec_per_device")[-1].value
     assert mfu == pytest.approx(tflops * 1e12 / 1e11)
     assert [image.step for image in accumulator.Images("pipeline/timeline")] == [10, 20]
+    assert_one_current_loss_and_windowed_tokens_per_second(json.loads(drawn.read_text()), accumulator)
+
+
+def assert_whole_model_summary(output: str) -> None:
+    """The summary counts the whole model, not rank 0's stage, as the plain model counts it, and shows each stage:
+    blocks 0-1 and the embeddings, blocks 2-3 with the final norm and the head; each rank holds its tp half."""
+    plain = GPT(GPTConfig(vocab_size=64))  # the recipe's defaults (the corpus's vocabulary padded to 64)
+    total = sum(p.numel() for p in plain.parameters())
+    assert total == 817_920
+    first = ("wte.", "wpe.", "blocks.0.", "blocks.1.")
+    stages = [{n: p for n, p in plain.named_parameters() if n.startswith(first) == (stage == 0)} for stage in (0, 1)]
+    assert "Total params: 817 K" in output and "│ 0 │ model │ GPT  │  817 K │" in output  # Lightning's table
+    assert f"HybridStrategy: {total:,} parameters in 2 pipeline stages, each on 2 ranks (tp 2 × dp 1):" in output
+    for index, stage in enumerate(stages):
+        counted = sum(p.numel() for p in stage.values())
+        held = sum(p.numel() // (2 if name.endswith(TP_SHARDED) else 1) for name, p in stage.items())
+        assert f"  stage {index}: {counted:,} parameters, held per rank: {held:,}" in output
+    assert [sum(p.numel() for p in stage.values()) for stage in stages] == [412_928, 404_992]
+
+
+def assert_one_current_loss_and_windowed_tokens_per_second(records: list[dict], accumulator: EventAccumulator) -> None:
+    """Every batch the bar showed one loss, the module's train_loss, equal to the loss that batch's step returned
+    (the pipeline's last stage's); its tokens/s at each logging step is the window's figure logged to TensorBoard."""
+    assert [record["batch"] for record in records] == list(range(20))
+    for record in records:
+        assert [key for key in record["drawn"] if "loss" in key] == ["train_loss"]
+        assert record["drawn"]["train_loss"] == pytest.approx(record["step_loss"], rel=1e-6)
+    assert all("tokens/s" not in record["drawn"] for record in records[:2])  # warm-up and profiled batches
+    logged = {event.step: event.value for event in accumulator.Scalars("throughput/tokens_per_sec")}
+    assert logged.keys() == {10, 20}
+    for step, value in logged.items():
+        assert records[step - 1]["drawn"]["tokens/s"] == pytest.approx(value, rel=1e-6)  # TensorBoard keeps float32
 
 
 @pytest.mark.slow

@@ -4,11 +4,9 @@ Lightning would zero them after the step."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
@@ -62,13 +60,6 @@ class _ReadsGradients(Callback):
 class _KeepsGradients(_Net):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         pass  # accumulates over every step: nothing may drop the gradients
-
-
-@pytest.fixture()
-def one_process_fit() -> Iterator[None]:
-    yield
-    if dist.is_initialized():  # the fit's one-rank process group: later in-process tests make their own
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("one_process_fit")

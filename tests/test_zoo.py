@@ -111,6 +111,8 @@ def test_zoo_family_trains_like_single_device(model: str, layout: str, zoo_refer
     reference = zoo_references(str(LAYOUTS[layout][1]))[model]
     result = zoo_runs(layout)[model]
     assert_equivalent(reference, result, rtol=RTOL)  # logged torchmetrics values included
+    # The model summary counts the whole model as one process does: every stage, a weight tied across stages once.
+    assert result["summary_parameters"] == reference["summary_parameters"]
     if model in WITH_METRICS:  # the comparison above covered them: make sure they were logged at all
         assert {"epoch:train_acc_epoch", "validation:val_acc"} <= result["metric_values"].keys()
         assert all(0 <= value <= 1 for values in result["metric_values"].values() for value in values)

@@ -24,7 +24,8 @@ progress bar (``HybridStrategy(monitor=False)`` turns it off, ``monitor=Parallel
 Every ``timeline_every_n_steps`` batches (pipelines only) it adds an image ``pipeline/timeline``: a Gantt chart of
 each rank's forward (F), backward (B), input-gradient (I) and weight-gradient (W) actions per microbatch, and
 with ``chrome_trace_dir`` also writes the same step as a Chrome trace (open in ``chrome://tracing`` or Perfetto).
-The progress bar shows ``loss`` and ``tokens/s``.
+The progress bar shows one loss (the module's own when it shows one, else the step's ``loss``) and ``tokens/s``
+over the last ``log_every_n_steps`` batches (:mod:`lightning_hybrid.observe.progress`).
 
 Example::
 
@@ -48,11 +49,12 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.profiler import ProfilerActivity, profile
 
 from lightning_hybrid._compat import tree_flatten
 from lightning_hybrid.checks import check_positive
 from lightning_hybrid.observe.counting import StepCounter
+from lightning_hybrid.observe.profiling import CommunicationProfile
+from lightning_hybrid.observe.progress import ProgressFigures, place_before_progress_bar
 from lightning_hybrid.observe.timeline import bubble_per_rank, render_timeline, timeline_bubble, to_chrome_trace
 from lightning_hybrid.parallel.precision import total_grad_norm
 from lightning_hybrid.pipeline.timing import StepTimeline
@@ -63,7 +65,6 @@ log = logging.getLogger(__name__)
 #: The batch measured for FLOPs and communication: the second, because the first also builds the pipeline's
 #: schedules (shape inference) and warms up allocators.
 MEASURED_BATCH = 1
-_COMMUNICATION_EVENTS = ("gloo:", "nccl", "c10d::")
 
 
 @dataclass
@@ -80,7 +81,9 @@ class ParallelMonitor(pl.Callback):
     """Log throughput, MFU, memory, pipeline bubble, communication and gradient norm of a HybridStrategy run.
 
     Args:
-        log_every_n_steps: Batches between logs (default: the trainer's ``log_every_n_steps``).
+        log_every_n_steps: Batches between logs (default: the trainer's ``log_every_n_steps``); also the window of the
+            progress bar's ``tokens/s``: tokens of the last ``log_every_n_steps`` measured batches over their time
+            (the first two batches, which build the schedules and are profiled, are not measured).
         peak_flops: Peak FLOP/s of one device, for MFU. Default: Lightning's table for the GPU and precision in use;
             CPUs and unknown devices log achieved TFLOP/s without MFU unless this is given.
         timeline_every_n_steps: Batches between pipeline timeline images (``None``: never).
@@ -114,11 +117,11 @@ class ParallelMonitor(pl.Callback):
         self._batches = 0
         self._step_start = 0.0
         self._counter: Optional[StepCounter] = None
-        self._profiler: Optional[profile] = None
+        self._profile: Optional[CommunicationProfile] = None
         self._measured: dict[str, Any] = {}
         self._grad_norm: Optional[float] = None
         self._peak_warned = False
-        self._shows_loss: Optional[bool] = None
+        self._progress = ProgressFigures()
 
     # ------------------------------------------------------------------------------------------------ hooks
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -135,20 +138,13 @@ class ParallelMonitor(pl.Callback):
     ) -> None:
         _synchronize(trainer)
         elapsed = time.perf_counter() - self._step_start
-        measuring = self._counter is not None
-        if measuring:
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if self._counter is not None:
             self._stop_measuring(trainer, elapsed)
         elif self._batches > 0:  # the first batch builds schedules and warms up; the measured one runs slower
-            samples, tokens = batch_size(batch), self.batch_tokens(batch)
-            self._window.step_times.append(elapsed)
-            self._window.samples += samples
-            self._window.tokens += tokens
-            pipeline = getattr(trainer.strategy, "pipeline", None)
-            if pipeline is not None and pipeline.last_timeline is not None:
-                self._window.timelines.append(pipeline.last_timeline.summary())
-            self._show_in_progress_bar(trainer, pl_module, outputs, tokens or samples, bool(tokens), elapsed)
+            self._add_to_window(trainer, batch, elapsed, every)
+        self._progress.show(trainer, pl_module, outputs, _data_parallel_size(trainer))
         self._batches += 1
-        every = self.log_every_n_steps or trainer.log_every_n_steps
         if self._batches % every == 0 and self._window.step_times:
             self._log_window(trainer)
         if self.timeline_every_n_steps and self._batches % self.timeline_every_n_steps == 0:
@@ -165,17 +161,19 @@ class ParallelMonitor(pl.Callback):
             self._grad_norm = float(total_grad_norm(pl_module.parameters(), pipeline_group=group,
                                                     counted_elsewhere=elsewhere))
 
+    def _add_to_window(self, trainer: pl.Trainer, batch: Any, elapsed: float, every: int) -> None:
+        samples, tokens = batch_size(batch), self.batch_tokens(batch)
+        self._window.step_times.append(elapsed)
+        self._window.samples += samples
+        self._window.tokens += tokens
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline is not None and pipeline.last_timeline is not None:
+            self._window.timelines.append(pipeline.last_timeline.summary())
+        self._progress.add_batch(tokens or samples, elapsed, window=every, tokens=bool(tokens))
+
     # ---------------------------------------------------------------------------------------- measurement
     def _start_measuring(self, trainer: pl.Trainer) -> None:
-        activities = [ProfilerActivity.CPU]
-        if trainer.strategy.root_device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        try:
-            self._profiler = profile(activities=activities)
-            self._profiler.__enter__()
-        except RuntimeError as error:  # e.g. Trainer(profiler="pytorch") already runs one: no communication share
-            log.info("ParallelMonitor: no communication share (%s).", error)
-            self._profiler = None
+        self._profile = CommunicationProfile.start(trainer.strategy.root_device)
         dims = getattr(trainer.strategy, "dims", None)
         self._counter = StepCounter(trainer.lightning_module, tensor_parallel=dims.tp if dims is not None else 1)
         self._counter.__enter__()
@@ -184,13 +182,12 @@ class ParallelMonitor(pl.Callback):
         assert self._counter is not None
         self._counter.__exit__(None, None, None)
         communication = float("nan")
-        if self._profiler is not None:
-            self._profiler.__exit__(None, None, None)
-            communication = _communication_seconds(self._profiler)
+        if self._profile is not None:
+            communication = self._profile.stop()
         per_rank = _gather_to_rank_0(
             trainer, (self._counter.model_flops, dict(self._counter.comm_bytes), communication / elapsed)
         )
-        self._counter, self._profiler = None, None
+        self._counter, self._profile = None, None
         if per_rank is None:
             return
         busiest: dict[str, int] = {}
@@ -202,20 +199,6 @@ class ParallelMonitor(pl.Callback):
             "comm_bytes": busiest,
             "comm_share": sum(share for _, _, share in per_rank) / len(per_rank),
         }
-
-    def _show_in_progress_bar(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, count: int, tokens: bool, elapsed: float
-    ) -> None:
-        if trainer.progress_bar_callback is None:
-            return
-        replicas = _data_parallel_size(trainer)
-        name = "tokens/s" if tokens else "samples/s"
-        pl_module.log(name, count * replicas / elapsed, prog_bar=True, logger=False, on_step=True, on_epoch=False)
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if self._shows_loss is None:  # decided once: a module that shows its own "loss" keeps it
-            self._shows_loss = "loss" not in trainer.progress_bar_metrics
-        if self._shows_loss and isinstance(loss, Tensor) and loss.numel() == 1:
-            pl_module.log("loss", loss.detach(), prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def _log_window(self, trainer: pl.Trainer) -> None:
         window, self._window = self._window, _Window()
@@ -303,12 +286,13 @@ class ParallelMonitor(pl.Callback):
 def add_monitor(trainer: pl.Trainer, monitor: Union[bool, ParallelMonitor]) -> None:
     """What ``HybridStrategy(monitor=...)`` adds to the trainer's callbacks: the given monitor, or with ``True`` a
     default one when something shows it (a logger or the progress bar); nothing when one is there already."""
-    if monitor is False or any(isinstance(callback, ParallelMonitor) for callback in trainer.callbacks):
-        return
-    if isinstance(monitor, ParallelMonitor):
-        trainer.callbacks.append(monitor)
-    elif trainer.loggers or trainer.progress_bar_callback is not None:
-        trainer.callbacks.append(ParallelMonitor())
+    if not any(isinstance(callback, ParallelMonitor) for callback in trainer.callbacks):
+        if isinstance(monitor, ParallelMonitor):
+            trainer.callbacks.append(monitor)
+        elif monitor and (trainer.loggers or trainer.progress_bar_callback is not None):
+            trainer.callbacks.append(ParallelMonitor())
+    for callback in [c for c in trainer.callbacks if isinstance(c, ParallelMonitor)]:
+        place_before_progress_bar(trainer, callback)  # its figures drawn with the batch they belong to
 
 
 def default_batch_tokens(batch: Any) -> int:
@@ -381,18 +365,3 @@ def _device_peak_flops(trainer: pl.Trainer) -> Optional[float]:
     precision = str(getattr(trainer.precision_plugin, "precision", "32-true"))
     return device_peak_flops(trainer.strategy.root_device, precision)
 
-
-def _communication_seconds(profiler: profile) -> float:
-    """Wall time covered by collective events (gloo's threads, NCCL kernels), overlapping events counted once."""
-    spans = sorted(
-        (event.time_range.start, event.time_range.end)
-        for event in profiler.events()
-        if any(marker in event.name.lower() for marker in _COMMUNICATION_EVENTS)
-    )
-    covered, end = 0.0, float("-inf")
-    for start, stop in spans:
-        if stop <= end:
-            continue
-        covered += stop - max(start, end)
-        end = stop
-    return covered / 1e6  # profiler times are microseconds

@@ -22,7 +22,8 @@
 
 Example::
 
-    result = parallelize(module, "model.blocks", blocks, mesh, dims, options, precision="32-true",
+    mesh, data_mesh = dims.build_mesh("cpu")
+    result = parallelize(module, "model.blocks", blocks, mesh, dims, options, data_mesh=data_mesh, precision="32-true",
                          device=torch.device("cpu"), run_step=lambda: module.training_step(batch, 0))
     result.tp_plan        # {"model.blocks.*.attn.qkv": "colwise (strided x3)", ...}
 """
@@ -69,11 +70,12 @@ class Parallelized:
 
 
 def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh, dims: ParallelDims,
-                options: HybridOptions, *, precision: str, device: torch.device, run_step: Callable[..., Any],
-                block_call: Optional[BlockCall] = None) -> Parallelized:
+                options: HybridOptions, *, data_mesh: DeviceMesh, precision: str, device: torch.device,
+                run_step: Callable[..., Any], block_call: Optional[BlockCall] = None) -> Parallelized:
     """Apply ``options``' parallelisms to ``module`` in place (see the module docstring for the order); every
-    rank calls it. ``run_step(microbatches=1)`` runs the user's step once on the first batch, or on its first
-    ``microbatches``-th (tracing); ``block_call`` is the first block's captured call if the caller already has it."""
+    rank calls it. ``mesh`` and ``data_mesh`` are what :meth:`~lightning_hybrid.mesh.ParallelDims.build_mesh` returns.
+    ``run_step(microbatches=1)`` runs the user's step once on the first batch, or on its first ``microbatches``-th
+    (tracing); ``block_call`` is the first block's captured call if the caller already has it."""
     result = Parallelized()
     recorded = recorded_values(module)  # names and recipes of the values built on meta, before anything changes them
     owned = list(range(len(blocks)))
@@ -104,7 +106,8 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         check_compile_layout(options, dims.tp, fsdp_applies(dims, options, precision))
         apply_compile(module, blocks, owned, options.compile_arguments, options.pipeline_schedule)
     # 5. FSDP2
-    result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, dims, options, precision, result.pipeline)
+    result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, data_mesh, dims, options, precision,
+                                         result.pipeline)
     # 6. materialization
     apply_materialization(module, torch.device("cpu") if options.offload else device, recorded)
     # 7. pretrained weights, read into the shards in place (needs the final layout: each rank reads its slices)
@@ -195,19 +198,20 @@ def fsdp_applies(dims: ParallelDims, options: HybridOptions, precision: str) -> 
     return dims.data_parallel_size > 1 or options.offload or precision == "bf16-mixed"
 
 
-def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh, dims: ParallelDims,
-                        options: HybridOptions, precision: str, pipeline: Optional[Pipeline]) -> bool:
+def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh,
+                        data_mesh: DeviceMesh, dims: ParallelDims, options: HybridOptions, precision: str, pipeline: Optional[Pipeline]) -> bool:
     """FSDP2 over the data mesh (HSDP with replicas), block by block then the root, or per pipeline stage; builds
-    the pipeline's stage modules. Returns whether FSDP2 was applied."""
+    the pipeline's stage modules. Returns whether FSDP2 was applied. ``data_mesh`` is the flattened data-parallel
+    mesh itself: slicing it out of ``mesh`` (``mesh["dp"]``) is deprecated by torch 2.13 and warns on every rank."""
     fsdp_mesh = mesh[DATA_DIMS] if dims.dp_replicate > 1 else mesh[DATA_SHARD]
     fsdp_options = FSDPOptions(zero=int(options.zero),
                                mixed_precision=mixed_precision_policy(precision, options.reduce_dtype),
                                offload=options.offload)
     sharded = fsdp_applies(dims, options, precision)
     if pipeline is not None:
-        install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None, mesh["dp"].get_group())
+        install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None, data_mesh.get_group())
     elif sharded:
-        apply_fsdp(module, blocks, fsdp_mesh, fsdp_options, data_group=mesh["dp"].get_group())
+        apply_fsdp(module, blocks, fsdp_mesh, fsdp_options, data_group=data_mesh.get_group())
     mesh_shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
     if sharded:
         rank_zero_info(f"HybridStrategy: FSDP2 (ZeRO-{options.zero}) over {len(blocks)} blocks of '{blocks_path}',"

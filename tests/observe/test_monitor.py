@@ -105,6 +105,14 @@ def test_model_flops_and_grad_norm_equal_the_single_process_run(logged_3d) -> No
 
 
 @pytest.mark.slow
+def test_the_model_summary_counts_the_whole_3d_model(logged_3d) -> None:
+    _, reference, _, result = logged_3d
+    # FSDP2's and the tensor-parallel shards at their global size, both pipeline stages: what one process counts.
+    assert result["summary_parameters"] == reference["summary_parameters"]
+    assert reference["summary_parameters"][0] == sum(t.numel() for t in reference["params"].values())
+
+
+@pytest.mark.slow
 def test_throughput_counts_each_data_parallel_replica_once(logged_3d) -> None:
     logged, _, _, result = logged_3d
     global_batch = result["args"]["global_batch"]  # 2 replicas × 4 samples; the 4 tp × pp ranks of one share them

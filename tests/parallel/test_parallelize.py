@@ -46,7 +46,7 @@ def _parallelize_on_two_ranks(rank: int, results: dict) -> None:
         dims = ParallelDims(world_size=2, **degrees)
         mesh, data_mesh = dims.build_mesh("cpu")
         result = parallelize(module, "layers", BlockList("layers", module.layers), mesh, dims, HybridOptions(**degrees, **options),
-                             precision="32-true", device=torch.device("cpu"),
+                             data_mesh=data_mesh, precision="32-true", device=torch.device("cpu"),
                              run_step=lambda: module(local[:, :-1]))
         loss, grads = _loss_and_gradients(module, local)
         losses = [None] * data_mesh.size()

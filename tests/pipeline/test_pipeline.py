@@ -205,9 +205,10 @@ def test_pp2_every_schedule_matches_reference(model: str, schedule: str, referen
     assert_equivalent(reference, result, rtol=RTOL)
     _assert_rank0_tensorboard_matches(result["tensorboard"], reference)
     _assert_monitored(result["tensorboard"], reference, PipelineSchedule.resolve(schedule, 2, None, None))
-    # Each parameter lives on exactly one rank.
+    # Each parameter lives on exactly one rank, and the model summary counts them all, as one process does.
     counts = result["rank_parameter_counts"]
     assert sum(counts) == sum(t.numel() for t in reference["params"].values())
+    assert result["summary_parameters"] == reference["summary_parameters"] == (sum(counts), sum(counts))
     if schedule in ("gpipe", "1f1b"):  # one stage per rank, 4 equal blocks: 2 + embeddings, 2 + final norm + head
         assert counts == _stage_parameter_counts(reference, model, [(0, 1), (2, 3)])
 
