@@ -81,7 +81,8 @@ class ParallelMonitor(pl.Callback):
     """Log throughput, MFU, memory, pipeline bubble, communication and gradient norm of a HybridStrategy run.
 
     Args:
-        log_every_n_steps: Batches between logs (default: the trainer's ``log_every_n_steps``); also the window of the
+        log_every_n_steps: Batches between logs (default: the trainer's ``log_every_n_steps`` optimizer steps, i.e.
+            that many × ``accumulate_grad_batches`` batches, Lightning's own logging cadence); also the window of the
             progress bar's ``tokens/s``: tokens of the last ``log_every_n_steps`` measured batches over their time
             (the first two batches, which build the schedules and are profiled, are not measured).
         peak_flops: Peak FLOP/s of one device, for MFU. Default: Lightning's table for the GPU and precision in use;
@@ -138,7 +139,7 @@ class ParallelMonitor(pl.Callback):
     ) -> None:
         _synchronize(trainer)
         elapsed = time.perf_counter() - self._step_start
-        every = self.log_every_n_steps or trainer.log_every_n_steps
+        every = self._batches_between_logs(trainer)
         if self._counter is not None:
             self._stop_measuring(trainer, elapsed)
         elif self._batches > 0:  # the first batch builds schedules and warms up; the measured one runs slower
@@ -150,8 +151,13 @@ class ParallelMonitor(pl.Callback):
         if self.timeline_every_n_steps and self._batches % self.timeline_every_n_steps == 0:
             self._log_timeline(trainer)
 
+    def _batches_between_logs(self, trainer: pl.Trainer) -> int:
+        # Lightning's log_every_n_steps counts optimizer steps, each accumulate_grad_batches batches: logging on the
+        # same cadence keeps the monitor's all-rank gathers as rare as Lightning's own logging.
+        return self.log_every_n_steps or trainer.log_every_n_steps * trainer.accumulate_grad_batches
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        every = self.log_every_n_steps or trainer.log_every_n_steps
+        every = self._batches_between_logs(trainer)
         batches_to_log = -(self._batches + 1) % every
         # The norm communicates, so it is computed on the last optimizer step before each log only (the same step
         # on every rank: the counters agree).

@@ -13,6 +13,7 @@ from typing import Iterator
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.model_summary import summarize
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -141,3 +142,31 @@ def test_only_kinetos_markers_are_dropped_from_standard_error(capfd: pytest.Capt
         os.write(2, b"[W1202 04:25:01] a real warning\n")
         os.write(2, b"USDT:2026-12-02 04:25:02 2648:2648 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
     assert capfd.readouterr().err == "[W1202 04:25:01] a real warning\n"
+
+
+class RecordingLogger(Logger):
+    """The metrics every ``log_metrics`` call received, with their step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    name, version = "recording", 0
+
+    def log_hyperparams(self, params: object, *args: object, **kwargs: object) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+@pytest.mark.usefixtures("one_process_fit")
+def test_with_accumulation_the_monitor_logs_on_lightnings_cadence_of_optimizer_steps() -> None:
+    """``Trainer(log_every_n_steps=2, accumulate_grad_batches=2)``: Lightning logs every 2 optimizer steps, i.e. every
+    4 batches; so does the monitor (8 batches: at steps 2 and 4), not every 2 batches."""
+    logger = RecordingLogger()
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), max_steps=4, logger=logger,
+                      log_every_n_steps=2, accumulate_grad_batches=2, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LMLightningModule(model="tied"), DataLoader(RandomTokenDataset(16, SEQ, seed=1), batch_size=BATCH))
+    assert [step for step, metrics in logger.logged if "throughput/tokens_per_sec" in metrics] == [2, 4]
