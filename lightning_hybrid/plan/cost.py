@@ -59,7 +59,7 @@ from lightning_hybrid.plan.model import ModelShape
 from lightning_hybrid.plan.step import PRECISIONS, StepShape, describe_step, pipeline_ranks
 from lightning_hybrid.plan.timing import rank_times
 
-__all__ = ["Layout", "check_model_fits_cluster", "estimate", "layer_activation_bytes", "stage_memory"]
+__all__ = ["Layout", "check_model_fits_cluster", "describe_overrun", "estimate", "layer_activation_bytes", "stage_memory"]
 
 
 def _schedule(layout: Layout) -> Optional[PipelineSchedule]:
@@ -138,7 +138,7 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     if memory.total > cluster.usable_memory:
         where = "" if memory.stage == "only" else f" on the {memory.stage} pipeline stage"
         reasons.append(f"{OUT_OF_MEMORY}: {memory.total / GIB:.1f} GiB per GPU{where},"
-                       f" {(memory.total - cluster.usable_memory) / GIB:.1f} GiB over the usable"
+                       f" {describe_overrun(memory.total - cluster.usable_memory)} over the usable"
                        f" {cluster.usable_memory / GIB:.1f} GiB")
     time = _step_time(step, ranks)
     model_flops = 3 * global_batch * model.seq_len * (
@@ -148,6 +148,15 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
         layout = replace(layout, microbatches=schedule.microbatches, virtual_stages=schedule.virtual_stages)
     return Estimate(layout, memory, time, tokens_per_second=global_batch * model.seq_len / time.step,
                     mfu=model_flops / (time.step * cluster.gpus * cluster.peak_flops), reasons=tuple(reasons))
+
+
+def describe_overrun(overrun_bytes: float) -> str:
+    """How far a layout is over the usable memory, never printed as zero: a layout a few MiB over is as
+    infeasible as one 100 GiB over, and "0.0 GiB over" reads as if it fit."""
+    if overrun_bytes >= 0.1 * GIB:
+        return f"{overrun_bytes / GIB:.1f} GiB"
+    mib = overrun_bytes / 2**20
+    return f"{mib:.1f} MiB" if mib >= 0.1 else "under 0.1 MiB"
 
 
 def stage_memory(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_hybrid.cli import main
-from lightning_hybrid.plan.cost import estimate, layer_activation_bytes
+from lightning_hybrid.plan.cost import describe_overrun, estimate, layer_activation_bytes
 from lightning_hybrid.plan.hardware import GIB, Cluster
 from lightning_hybrid.plan.layout import Layout
 from lightning_hybrid.plan.model import ModelShape
@@ -387,6 +387,17 @@ def test_out_of_memory_says_by_how_much() -> None:
     result = estimate(TINY, one_gpu(), Layout(), global_batch=4096, precision="32-true")
     assert result.reasons == ("out of memory: 1.1 GiB per GPU, 0.2 GiB over the usable 0.9 GiB",)
     assert result.memory.total == total
+
+
+def test_out_of_memory_by_less_than_a_tenth_of_a_gib_is_not_printed_as_zero() -> None:
+    # The same model at 3300 sequences: 1,840,128 B of states + 3300 · 295,936 B = 978,428,928 B against the usable
+    # 0.9 · 2^30 = 966,367,641.6 B: 12,061,286.4 B (11.5 MiB) over, which one decimal of GiB would print as 0.0.
+    result = estimate(TINY, one_gpu(), Layout(), global_batch=3300, precision="32-true")
+    assert result.memory.total == 978_428_928
+    assert result.reasons == ("out of memory: 0.9 GiB per GPU, 11.5 MiB over the usable 0.9 GiB",)
+    assert describe_overrun(0.1 * GIB) == "0.1 GiB"
+    assert describe_overrun(0.04 * GIB) == "41.0 MiB"
+    assert describe_overrun(1024.0) == "under 0.1 MiB"
 
 
 def test_plan_lists_feasible_layouts_fastest_first_then_infeasible_ones() -> None:
