@@ -146,7 +146,7 @@ class ParallelMonitor(pl.Callback):
             self._add_to_window(trainer, batch, elapsed, every)
         self._progress.show(trainer, pl_module, outputs, _data_parallel_size(trainer))
         self._batches += 1
-        if self._batches % every == 0 and self._window.step_times:
+        if self._batches % every == 0:  # also with nothing timed yet: memory and the step's gradient norm
             self._log_window(trainer)
         if self.timeline_every_n_steps and self._batches % self.timeline_every_n_steps == 0:
             self._log_timeline(trainer)
@@ -218,6 +218,19 @@ class ParallelMonitor(pl.Callback):
         grad_norm, self._grad_norm = self._grad_norm, None
         if per_rank is None or not trainer.loggers:
             return
+        metrics = self._timed_metrics(trainer, window, pipeline, per_rank) if window.step_times else {}
+        peaks = [rank["peak_memory"] for rank in per_rank]
+        metrics["memory/peak_gib_max"] = max(peaks) / 2**30
+        metrics["memory/peak_gib_min"] = min(peaks) / 2**30
+        metrics["memory/peak_max_rank"] = float(peaks.index(max(peaks)))
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _timed_metrics(self, trainer: pl.Trainer, window: _Window, pipeline: Any, per_rank: list[dict]
+                       ) -> dict[str, float]:
+        """Throughput, FLOPs and bubble of the window's timed batches."""
         step_time = sum(window.step_times) / len(window.step_times)
         replicas = _data_parallel_size(trainer)
         metrics = {
@@ -227,16 +240,9 @@ class ParallelMonitor(pl.Callback):
         if window.tokens:
             metrics["throughput/tokens_per_sec"] = window.tokens * replicas / sum(window.step_times)
         metrics.update(self._flops_metrics(trainer, step_time))
-        peaks = [rank["peak_memory"] for rank in per_rank]
-        metrics["memory/peak_gib_max"] = max(peaks) / 2**30
-        metrics["memory/peak_gib_min"] = min(peaks) / 2**30
-        metrics["memory/peak_max_rank"] = float(peaks.index(max(peaks)))
         if pipeline is not None:
             metrics.update(_bubble_metrics(pipeline, per_rank))
-        if grad_norm is not None:
-            metrics["grad_norm"] = grad_norm
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        return metrics
 
     def _flops_metrics(self, trainer: pl.Trainer, step_time: float) -> dict[str, float]:
         if not self._measured:
