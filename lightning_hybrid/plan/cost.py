@@ -59,7 +59,7 @@ from lightning_hybrid.plan.model import ModelShape
 from lightning_hybrid.plan.step import PRECISIONS, StepShape, describe_step, pipeline_ranks
 from lightning_hybrid.plan.timing import rank_times
 
-__all__ = ["Layout", "check_model_fits_cluster", "describe_overrun", "estimate", "layer_activation_bytes", "stage_memory"]
+__all__ = ["Layout", "check_model_fits_cluster", "describe_size", "estimate", "layer_activation_bytes", "stage_memory"]
 
 
 def _schedule(layout: Layout) -> Optional[PipelineSchedule]:
@@ -137,9 +137,9 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     memory = max((rank_memory(step, rank) for rank in ranks), key=lambda breakdown: breakdown.total)
     if memory.total > cluster.usable_memory:
         where = "" if memory.stage == "only" else f" on the {memory.stage} pipeline stage"
-        reasons.append(f"{OUT_OF_MEMORY}: {memory.total / GIB:.1f} GiB per GPU{where},"
-                       f" {describe_overrun(memory.total - cluster.usable_memory)} over the usable"
-                       f" {cluster.usable_memory / GIB:.1f} GiB")
+        reasons.append(f"{OUT_OF_MEMORY}: {describe_size(memory.total)} per GPU{where},"
+                       f" {describe_size(memory.total - cluster.usable_memory)} over the usable"
+                       f" {describe_size(cluster.usable_memory)}")
     time = _step_time(step, ranks)
     model_flops = 3 * global_batch * model.seq_len * (
         2 * (model.layers * model.parameters_per_block + model.vocab * model.hidden)
@@ -150,13 +150,13 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
                     mfu=model_flops / (time.step * cluster.gpus * cluster.peak_flops), reasons=tuple(reasons))
 
 
-def describe_overrun(overrun_bytes: float) -> str:
-    """How far a layout is over the usable memory, never printed as zero: a layout a few MiB over is as
-    infeasible as one 100 GiB over, and "0.0 GiB over" reads as if it fit."""
-    if overrun_bytes >= 0.1 * GIB:
-        return f"{overrun_bytes / GIB:.1f} GiB"
-    mib = overrun_bytes / 2**20
-    return f"{mib:.1f} MiB" if mib >= 0.1 else "under 0.1 MiB"
+def describe_size(size_bytes: float) -> str:
+    """A memory size in the largest unit that shows it as at least 0.1, never as zero: "0.0 GiB over" reads as if a
+    layout fit, and a tiny cluster's usable memory would print as 0.0 GiB."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if size_bytes >= 0.1 * scale:
+            return f"{size_bytes / scale:.1f} {unit}"
+    return f"{size_bytes:.0f} B"
 
 
 def stage_memory(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,

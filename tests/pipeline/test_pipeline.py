@@ -163,8 +163,8 @@ def pp2_runs(tmp_path_factory: pytest.TempPathFactory):
 
 #: The layout chosen for the GPT on 2 CPU ranks with a cluster of 1.6 MB per device (1.44 MB usable): per rank, with
 #: the harness's 8 sequences per data-parallel rank and 2 accumulation steps, the planner predicts dp2 1.73 MB (out of
-#: memory; it would also change the global batch and so the numbers), tp2 1.21 MB and pp2 (1F1B, 2 microbatches)
-#: 0.99 MB, pp2 the faster of the two.
+#: memory; it would also change the global batch and so the numbers), tp2 1.21 MB and pp2 (1F1B, 2 microbatches, the
+#: Trainer's 2 accumulation steps on top: "acc2") 0.94 MiB, pp2 the faster of the two.
 #: "auto_probed": the same with dp fixed at 1 and the hardware probed (this CPU's matmul and gloo all-reduce): tp2
 #: or pp2, whichever the probe favours, must train like the reference.
 AUTO_ENTRIES = {
@@ -179,10 +179,10 @@ AUTO_ENTRIES = {
 def test_auto_layout_chooses_by_memory_and_trains_like_the_reference(reference_run: ReferenceFn, pp2_runs) -> None:
     reference = reference_run("gpt", 1, LAYERS)
     chosen = pp2_runs("gpt")["auto"]
-    assert chosen["auto_layout"] == "dp1 tp1 pp2 1f1b m2 z2"
+    assert chosen["auto_layout"] == "dp1 tp1 pp2 acc2 1f1b m2 z2"
     assert_equivalent(reference, chosen, rtol=RTOL)
     probed = pp2_runs("gpt")["auto_probed"]
-    assert probed["auto_layout"] in ("dp1 tp2 pp1 acc2 z3", "dp1 tp1 pp2 1f1b m2 z2")
+    assert probed["auto_layout"] in ("dp1 tp2 pp1 acc2 z3", "dp1 tp1 pp2 acc2 1f1b m2 z2")
     assert_equivalent(reference, probed, rtol=RTOL)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_hybrid.cli import main
-from lightning_hybrid.plan.cost import describe_overrun, estimate, layer_activation_bytes
+from lightning_hybrid.plan.cost import describe_size, estimate, layer_activation_bytes
 from lightning_hybrid.plan.hardware import GIB, Cluster
 from lightning_hybrid.plan.layout import Layout
 from lightning_hybrid.plan.model import ModelShape
@@ -395,9 +395,10 @@ def test_out_of_memory_by_less_than_a_tenth_of_a_gib_is_not_printed_as_zero() ->
     result = estimate(TINY, one_gpu(), Layout(), global_batch=3300, precision="32-true")
     assert result.memory.total == 978_428_928
     assert result.reasons == ("out of memory: 0.9 GiB per GPU, 11.5 MiB over the usable 0.9 GiB",)
-    assert describe_overrun(0.1 * GIB) == "0.1 GiB"
-    assert describe_overrun(0.04 * GIB) == "41.0 MiB"
-    assert describe_overrun(1024.0) == "under 0.1 MiB"
+    assert describe_size(0.1 * GIB) == "0.1 GiB"
+    assert describe_size(0.04 * GIB) == "41.0 MiB"
+    assert describe_size(1024.0) == "1.0 KiB"
+    assert describe_size(50.0) == "50 B"
 
 
 def test_plan_lists_feasible_layouts_fastest_first_then_infeasible_ones() -> None:
