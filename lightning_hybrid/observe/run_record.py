@@ -129,7 +129,7 @@ def layout_figures(trainer: pl.Trainer) -> dict[str, Any]:
 def tp_plan_text(plan: dict[str, str], tp: int) -> str:
     if not plan:
         return f"no tensor-parallel plan (tp={tp})"
-    return markdown_table(("module", "style"), sorted(plan.items()))
+    return markdown_table(("module", "style"), [(f"`{name}`", style) for name, style in sorted(plan.items())])
 
 
 def stages_text(summary: WholeModelSummary, trainer: pl.Trainer) -> str:

@@ -39,8 +39,8 @@ def test_profile_windows_count_batches_from_the_fits_first() -> None:
 def test_texts_are_markdown_tables_or_say_why_not() -> None:
     assert markdown_table(("a", "b"), [(1, "x"), (2, "y")]) == "| a | b |\n|---|---|\n| 1 | x |\n| 2 | y |"
     assert tp_plan_text({}, 1) == "no tensor-parallel plan (tp=1)"
-    assert tp_plan_text({"b.*.fc": "colwise", "a": "rowwise"}, 2).splitlines()[2:] == ["| a | rowwise |",
-                                                                                     "| b.*.fc | colwise |"]
+    assert tp_plan_text({"b.*.fc": "colwise", "a": "rowwise"}, 2).splitlines()[2:] == ["| `a` | rowwise |",
+                                                                                     "| `b.*.fc` | colwise |"]
     assert prediction_text(None, "no prediction: because") == "no prediction: because"
 
 
