@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_hybrid.first_step import run_first_step
@@ -60,8 +61,10 @@ def predict_fixed_layout(trainer: pl.Trainer, strategy: Any, module: Any,
     process calls it, before the model is parallelized; it never raises."""
     if len(blocks) == 0:
         return None, None, "no prediction: the model has no block list for the planner to measure"
-    try:
-        block_call = capture_block_call(blocks[0], lambda: run_first_step(trainer, strategy.root_device))
+    accelerator_rng = [strategy.root_device] if strategy.root_device.type == "cuda" else []
+    try:  # the user's random streams untouched (the step's dropout, a shuffling loader's seed)
+        with torch.random.fork_rng(devices=accelerator_rng):
+            block_call = capture_block_call(blocks[0], lambda: run_first_step(trainer, strategy.root_device))
     except Exception as error:  # noqa: BLE001 - the prediction is an extra; the run must not fail on it
         return None, None, f"no prediction: the first block's inputs were not captured ({error})"
     try:
