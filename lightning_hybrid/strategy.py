@@ -38,6 +38,7 @@ from lightning_hybrid.first_step import run_first_step
 from lightning_hybrid.mesh import ParallelDims, lightning_view
 from lightning_hybrid.metrics import sync_over
 from lightning_hybrid.observe.monitor import ParallelMonitor, add_monitor
+from lightning_hybrid.observe.run_record import predict_fixed_layout, wants_prediction
 from lightning_hybrid.observe.summary import use_whole_model_summary
 from lightning_hybrid.options import DEFAULT_WATCHDOG_TIMEOUT_S, Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
@@ -134,8 +135,10 @@ class HybridStrategy(ModelParallelStrategy):
         self.pipeline: Optional[Pipeline] = None
         #: The tensor-parallel plan applied at setup, ``{module name pattern: style}``.
         self.tp_plan_applied: dict[str, str] = {}
-        #: The cost model's estimate of the layout chosen for tp="auto"/pp="auto" (``None`` otherwise).
+        #: The cost model's estimate of the layout chosen for tp="auto"/pp="auto", or of the fixed layout when the
+        #: monitor predicts (``ParallelMonitor(predict=True)``); ``None`` otherwise or where it cannot estimate.
         self.layout_estimate: Optional[Estimate] = None
+        self.layout_note: Optional[str] = None  # how the estimate came about, or why there is none
         # The module this strategy parallelized: a later trainer.test()/predict() of it reuses it as fit left it.
         self._parallelized: Optional[torch.nn.Module] = None
         self._root_router = RootStepRouter()
@@ -237,6 +240,8 @@ class HybridStrategy(ModelParallelStrategy):
             module.to(self.root_device)
         blocks = find_blocks(module, self.options)
         block_call = self._choose_layout(trainer, module, blocks.path, blocks) if self.options.chooses_layout else None
+        if block_call is None and wants_prediction(trainer):  # the fixed layout's estimate, for the monitor's plan/...
+            block_call, self.layout_estimate, self.layout_note = predict_fixed_layout(trainer, self, module, blocks)
         result = parallelize(module, blocks.path, blocks, self.device_mesh, self.dims, self.options,
                              data_mesh=self.data_mesh, precision=str(self.precision_plugin.precision), device=self.root_device,
                              run_step=lambda microbatches=1: run_first_step(trainer, self.root_device, microbatches),
@@ -249,11 +254,11 @@ class HybridStrategy(ModelParallelStrategy):
         """Choose the layout for tp/pp="auto" (see :mod:`lightning_hybrid.plan.auto_layout`), adopt its degrees and
         build its mesh. Returns the first block's captured call, which tensor parallelism reuses."""
         block_call = capture_block_call(blocks[0], lambda: run_first_step(trainer, self.root_device))
-        self.layout_estimate, description = choose_for_run(
+        self.layout_estimate, self.layout_note = choose_for_run(
             module, blocks_path, block_call, self.options, device=self.root_device, nodes=self.num_nodes,
             devices_per_node=self.num_processes, precision=str(self.precision_plugin.precision),
             accumulation=trainer.accumulate_grad_batches)
-        rank_zero_info(f"HybridStrategy(tp={self.options.tp!r}, pp={self.options.pp!r}) {description}")
+        rank_zero_info(f"HybridStrategy(tp={self.options.tp!r}, pp={self.options.pp!r}) {self.layout_note}")
         layout = self.layout_estimate.layout
         self.options = self.options.with_degrees(layout.dp, layout.tp, layout.pp, layout.dp_replicate)
         self.dims = ParallelDims(world_size=self.world_size, **self.options.degrees)

@@ -2,12 +2,16 @@
 strategy monitor's figures and the pipeline timeline; its console shows the whole model's summary, one current loss
 and tokens/s over the logging window in the progress bar, and no warnings. Both recipes are LightningCLI programs:
 their configuration round-trips through ``--print_config``, and command-line options reach ``HybridStrategy`` and
-the links fill the derived values (checked without training)."""
+the links fill the derived values (checked without training). The main recipe's log, served by the real TensorBoard
+server, shows the run's layout, tensor-parallel plan and stage split as text, the planner's ``plan/...`` figures next
+to the measured ones, the timeline image, and a profiler window's trace beside it."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
+import math
 import os
 import re
 import subprocess
@@ -25,6 +29,7 @@ from lightning_hybrid import HybridStrategy
 from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan
 from recipes import finetune_hf, pretrain_gpt
 from recipes.gpt import GPT, GPTConfig
+from tests.tensorboard_http import TensorBoardServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Console lines that are not the recipe's own: Python warnings (``file.py:123: ...``), C++ log lines of torch,
@@ -43,7 +48,7 @@ def test_recipe_defaults_train_tp_x_pp_and_log_to_tensorboard(tmp_path: Path) ->
     drawn = tmp_path / "drawn.json"  # what the progress bar drew after each batch (tests/observe/drawn_bar.py)
     command = [sys.executable, "recipes/pretrain_gpt.py", "--trainer.max_steps", "20",
                "--trainer.logger.save_dir", str(tmp_path), "--trainer.strategy.monitor.timeline_every_n_steps", "10",
-               "--trainer.strategy.monitor.peak_flops", "1e11",
+               "--trainer.strategy.monitor.peak_flops", "1e11", "--trainer.strategy.monitor.profile_steps", "3",
                "--trainer.callbacks+=tests.observe.drawn_bar.RecordingRichProgressBar",
                f"--trainer.callbacks.path={drawn}"]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -74,6 +79,52 @@ def test_recipe_defaults_train_tp_x_pp_and_log_to_tensorboard(tmp_path: Path) ->
     assert mfu == pytest.approx(tflops * 1e12 / 1e11)
     assert [image.step for image in accumulator.Images("pipeline/timeline")] == [10, 20]
     assert_one_current_loss_and_windowed_tokens_per_second(json.loads(drawn.read_text()), accumulator)
+    assert_tensorboard_explains_the_run(tmp_path, events[0].parent, output)
+
+
+def stage_rows() -> list[str]:
+    """The stage split as the ``run/stages`` table renders: stage, blocks, parameters, held per rank."""
+    plain = GPT(GPTConfig(vocab_size=64))
+    first = ("wte.", "wpe.", "blocks.0.", "blocks.1.")
+    rows = []
+    for stage, blocks in ((0, "0–1"), (1, "2–3")):
+        named = {n: p for n, p in plain.named_parameters() if n.startswith(first) == (stage == 0)}
+        held = sum(p.numel() // (2 if n.endswith(TP_SHARDED) else 1) for n, p in named.items())
+        rows.append(f"{stage} {blocks} {sum(p.numel() for p in named.values()):,} {held:,}")
+    return rows
+
+
+def assert_tensorboard_explains_the_run(log_dir: Path, run_dir: Path, output: str) -> None:
+    """The real TensorBoard server over the recipe's log folder, read through its HTTP API (what its page shows):
+    the layout, tp plan and stage split texts, the planner's predicted figures next to the measured ones (finite),
+    the timeline image; and the profiler window's trace of every rank beside the run, valid Chrome-trace JSON."""
+    run = run_dir.relative_to(log_dir).as_posix()
+    wanted = {"plan/memory_gib", "plan/tokens_per_sec", "plan/step_time_sec", "memory/peak_gib_max",
+              "throughput/tokens_per_sec", "throughput/step_time_sec"}
+    with TensorBoardServer(log_dir) as board:
+        board.wait_for(lambda b: wanted <= set(b.get("/data/plugin/scalars/tags").get(run, {})))
+        assert {f"{tag}/text_summary" for tag in ("run/layout", "run/tp_plan", "run/stages", "plan/prediction")} <= set(
+            board.get("/data/plugin/text/tags")[run])
+        assert "pipeline/timeline" in board.get("/data/plugin/images/tags")[run]
+        layout = board.text(run, "run/layout")
+        for setting in ("world_size 4", "dp 1", "dp_replicate 1", "tp 2", "pp 2", "zero 2", "schedule 1f1b",
+                        "microbatches 2", "virtual_stages 1", "activation_checkpointing none", "precision 32-true"):
+            assert f" {setting} " in f" {layout} ", (setting, layout)
+        printed = ast.literal_eval(re.search(r"tensor-parallel plan \(tp=2\): (\{.*\})", output).group(1))
+        tp_plan = board.text(run, "run/tp_plan")
+        assert len(printed) >= 4 and all(f"{name} {style}" in tp_plan for name, style in printed.items()), tp_plan
+        stages = board.text(run, "run/stages")
+        assert "HybridStrategy: 817,920 parameters in 2 pipeline stages, each on 2 ranks (tp 2 × dp 1):" in stages
+        assert all(row in stages for row in stage_rows()), stages
+        assert "dp1 tp2 pp2" in board.text(run, "plan/prediction")
+        figures = {tag: board.scalars(run, tag)[-1][1] for tag in sorted(wanted)}
+    print("predicted vs measured:", json.dumps(figures))
+    assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
+    traces = sorted((run_dir / "profiler").glob("*.pt.trace.json"))
+    assert [trace.name.split(".")[0] for trace in traces] == ["rank0", "rank1", "rank2", "rank3"]
+    for trace in traces:
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert sum(event.get("ph") == "X" for event in events) > 100  # complete events: operators, collectives
 
 
 def assert_whole_model_summary(output: str) -> None:

@@ -24,6 +24,9 @@ progress bar (``HybridStrategy(monitor=False)`` turns it off, ``monitor=Parallel
 Every ``timeline_every_n_steps`` batches (pipelines only) it adds an image ``pipeline/timeline``: a Gantt chart of
 each rank's forward (F), backward (B), input-gradient (I) and weight-gradient (W) actions per microbatch, and
 with ``chrome_trace_dir`` also writes the same step as a Chrome trace (open in ``chrome://tracing`` or Perfetto).
+At fit start it logs the layout, tensor-parallel plan, stage split and the planner's predicted ``plan/...`` figures
+(:mod:`lightning_hybrid.observe.run_record`); ``profile_steps`` runs ``torch.profiler`` over a window of batches
+and writes its trace to ``<log_dir>/profiler/`` (:class:`~lightning_hybrid.observe.profiling.TraceWindow`).
 The progress bar shows one loss (the module's own when it shows one, else the step's ``loss``) and ``tokens/s``
 over the last ``log_every_n_steps`` batches (:mod:`lightning_hybrid.observe.progress`).
 
@@ -53,8 +56,9 @@ from torch import Tensor
 from lightning_hybrid._compat import tree_flatten
 from lightning_hybrid.checks import check_positive
 from lightning_hybrid.observe.counting import StepCounter
-from lightning_hybrid.observe.profiling import CommunicationProfile
+from lightning_hybrid.observe.profiling import CommunicationProfile, TraceWindow, profile_window
 from lightning_hybrid.observe.progress import ProgressFigures, place_before_progress_bar
+from lightning_hybrid.observe.run_record import record_run
 from lightning_hybrid.observe.timeline import bubble_per_rank, render_timeline, timeline_bubble, to_chrome_trace
 from lightning_hybrid.parallel.precision import total_grad_norm
 from lightning_hybrid.pipeline.timing import StepTimeline
@@ -91,6 +95,11 @@ class ParallelMonitor(pl.Callback):
         chrome_trace_dir: Also write each timeline step as ``step_<N>.json`` (Chrome trace format) here.
         batch_tokens: ``batch -> number of tokens``. Default: the element count of the batch's first integer tensor
             with two or more dimensions (token ids); batches without one log samples only.
+        predict: Log the planner's predicted memory, tokens/s, step time and MFU of the layout as ``plan/...``
+            (a fixed layout is measured and estimated at setup: one partial forward and, on CPUs, a 0.1 s probe).
+        profile_steps: ``N``: profile the ``N`` batches after the monitor's own measured (second) batch;
+            ``(start, end)``: batches ``start`` … ``end - 1`` of this fit (a window over batch 1 leaves out
+            ``comm/share_of_step``); ``None``: no profile. The trace goes to ``<log_dir>/profiler/``.
 
     Example::
 
@@ -104,6 +113,8 @@ class ParallelMonitor(pl.Callback):
         timeline_every_n_steps: Optional[int] = 100,
         chrome_trace_dir: Optional[Union[str, Path]] = None,
         batch_tokens: Optional[Callable[[Any], int]] = None,
+        predict: bool = True,
+        profile_steps: Union[None, int, tuple[int, int]] = None,
     ) -> None:
         for name, value in (("log_every_n_steps", log_every_n_steps), ("timeline_every_n_steps", timeline_every_n_steps),
                             ("peak_flops", peak_flops)):
@@ -114,6 +125,8 @@ class ParallelMonitor(pl.Callback):
         self.timeline_every_n_steps = timeline_every_n_steps
         self.chrome_trace_dir = Path(chrome_trace_dir) if chrome_trace_dir is not None else None
         self.batch_tokens = batch_tokens or default_batch_tokens
+        self.predict, self.profile_steps = bool(predict), profile_window(profile_steps, MEASURED_BATCH)
+        self._trace: Optional[TraceWindow] = None
         self._window = _Window()
         self._batches = 0
         self._step_start = 0.0
@@ -125,12 +138,21 @@ class ParallelMonitor(pl.Callback):
         self._progress = ProgressFigures()
 
     # ------------------------------------------------------------------------------------------------ hooks
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trace = record_run(trainer, pl_module, self.predict, self.profile_steps)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._trace is not None:
+            self._trace.close()
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         pipeline = getattr(trainer.strategy, "pipeline", None)
         if pipeline is not None:
             pipeline.record_timeline = True
         if self._batches == MEASURED_BATCH:
             self._start_measuring(trainer)
+        if self._trace is not None:
+            self._trace.before_batch(self._batches)
         _synchronize(trainer)
         self._step_start = time.perf_counter()
 
@@ -145,6 +167,8 @@ class ParallelMonitor(pl.Callback):
         elif self._batches > 0:  # the first batch builds schedules and warms up; the measured one runs slower
             self._add_to_window(trainer, batch, elapsed, every)
         self._progress.show(trainer, pl_module, outputs, _data_parallel_size(trainer))
+        if self._trace is not None:
+            self._trace.after_batch(self._batches)
         self._batches += 1
         if self._batches % every == 0:  # also with nothing timed yet: memory and the step's gradient norm
             self._log_window(trainer)
@@ -179,7 +203,8 @@ class ParallelMonitor(pl.Callback):
 
     # ---------------------------------------------------------------------------------------- measurement
     def _start_measuring(self, trainer: pl.Trainer) -> None:
-        self._profile = CommunicationProfile.start(trainer.strategy.root_device)
+        if self._trace is None or not self._trace.covers(MEASURED_BATCH):  # else it profiles this batch
+            self._profile = CommunicationProfile.start(trainer.strategy.root_device)
         dims = getattr(trainer.strategy, "dims", None)
         self._counter = StepCounter(trainer.lightning_module, tensor_parallel=dims.tp if dims is not None else 1)
         self._counter.__enter__()

@@ -1,4 +1,5 @@
-"""The monitor's profile of one batch: the wall time its collectives took (:class:`CommunicationProfile`).
+"""The monitor's profile of one batch: the wall time its collectives took (:class:`CommunicationProfile`); and
+``ParallelMonitor(profile_steps=...)``'s window of batches written as a trace (:class:`TraceWindow`).
 
 torch's profiler (kineto) writes two lines to the process's standard error each time it starts and stops::
 
@@ -27,10 +28,12 @@ import os
 import re
 import sys
 import tempfile
-from typing import Iterator, Optional
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +112,67 @@ class CommunicationProfile:
         with without_kineto_markers():
             self._profiler.__exit__(None, None, None)
         return communication_seconds(self._profiler)
+
+
+def profile_window(profile_steps: Union[None, int, Sequence[int]], measured_batch: int) -> Optional[range]:
+    """The batches ``ParallelMonitor(profile_steps=...)`` profiles: ``N`` the ``N`` after the monitor's own
+    ``measured_batch``, ``(start, end)`` batches ``start`` to ``end - 1`` (counted from 0 at the fit's first batch),
+    ``None`` none. Raises ``ValueError`` for anything else."""
+    if profile_steps is None:
+        return None
+    if isinstance(profile_steps, int) and not isinstance(profile_steps, bool):
+        if profile_steps < 1:
+            raise ValueError(f"ParallelMonitor(profile_steps={profile_steps!r}) must be a number of batches ≥ 1,"
+                             " a (start, end) pair of batch indices or None.")
+        return range(measured_batch + 1, measured_batch + 1 + profile_steps)
+    pair = tuple(profile_steps) if isinstance(profile_steps, (list, tuple)) else ()
+    if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair) or not (
+            0 <= pair[0] < pair[1]):
+        raise ValueError(f"ParallelMonitor(profile_steps={profile_steps!r}) must be a number of batches ≥ 1 or a"
+                         " (start, end) pair of batch indices with 0 ≤ start < end (end excluded), e.g. (10, 13).")
+    if measured_batch in range(*pair):
+        rank_zero_info(f"ParallelMonitor(profile_steps={profile_steps!r}) profiles batch {measured_batch}, where the"
+                       " monitor's own profile measures comm/share_of_step: that figure is left out of this run.")
+    return range(pair[0], pair[1])
+
+
+class TraceWindow:
+    """``torch.profiler`` over a window of batches on every rank, written on its last batch as
+    ``<folder>/rank<r>.<ns>.pt.trace.json`` by ``tensorboard_trace_handler`` (TensorBoard's profile plugin,
+    Perfetto, ``chrome://tracing``), kineto's start/stop markers kept off the console."""
+
+    def __init__(self, batches: range, folder: Path, rank: int, device: torch.device) -> None:
+        self.batches, self.folder, self.rank, self.device = batches, folder, rank, device
+        self._profiler: Optional[profile] = None
+        self.written = False
+
+    def covers(self, batch: int) -> bool:
+        return batch in self.batches
+
+    def before_batch(self, batch: int) -> None:
+        if batch != self.batches.start or self.written:
+            return
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        profiler = profile(activities=activities,
+                           on_trace_ready=tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}"))
+        try:
+            with without_kineto_markers():
+                profiler.__enter__()
+        except RuntimeError as error:  # another profiler runs (Trainer(profiler="pytorch"))
+            log.warning("ParallelMonitor(profile_steps=...): no trace (%s).", error)
+            self.written = True
+            return
+        self._profiler = profiler
+
+    def after_batch(self, batch: int) -> None:
+        if batch == self.batches.stop - 1:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write the trace (also when training ends inside the window)."""
+        if self._profiler is None:
+            return
+        profiler, self._profiler = self._profiler, None
+        with without_kineto_markers():
+            profiler.__exit__(None, None, None)
+        self.written = True

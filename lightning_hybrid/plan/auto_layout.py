@@ -58,6 +58,24 @@ def choose_for_run(module: nn.Module, blocks_path: str, block_call: tuple[tuple,
     return outcome[0]
 
 
+def estimate_for_run(module: nn.Module, blocks_path: str, block_call: tuple[tuple, dict], options: HybridOptions, *,
+                     device: torch.device, nodes: int, devices_per_node: int, precision: str,
+                     accumulation: int) -> tuple[Estimate, str]:
+    """The cost model's estimate of the fixed layout ``options`` give (no ``"auto"`` degree), measured as
+    :func:`choose_for_run` measures (the tensor-parallel checks left out: the run applies its plan anyway), and
+    where the hardware's numbers come from. Every process calls (the CPU probe all-reduces; about 0.1 s)."""
+    accelerator_rng = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=accelerator_rng):
+        model, tokens = measure_model(module, blocks_path, block_call)
+    if options.cluster is not None:
+        cluster, hardware = options.cluster, "as given (cluster=)"
+    else:
+        cluster, hardware = detect_cluster(device, nodes, devices_per_node, precision)
+    (layout,) = candidate_layouts(options, cluster.gpus, accumulation)
+    global_batch = tokens // model.seq_len * layout.dp * layout.dp_replicate * layout.accumulation_steps
+    return estimate(model, cluster, layout, global_batch, precision), hardware
+
+
 def _measure_run(module: nn.Module, blocks_path: str, block_call: tuple[tuple, dict], options: HybridOptions,
                  device: torch.device) -> tuple[ModelShape, int, "Obstacles"]:
     """The module's shape, the tokens of its first batch, and the layouts it cannot take."""
