@@ -59,7 +59,7 @@ from lightning_hybrid.observe.counting import StepCounter
 from lightning_hybrid.observe.profiling import CommunicationProfile, TraceWindow, profile_window
 from lightning_hybrid.observe.progress import ProgressFigures, place_before_progress_bar
 from lightning_hybrid.observe.run_record import record_run
-from lightning_hybrid.observe.timeline import bubble_per_rank, render_timeline, timeline_bubble, to_chrome_trace
+from lightning_hybrid.observe.timeline import bubble_metrics, render_timeline, timeline_bubble, to_chrome_trace
 from lightning_hybrid.parallel.precision import total_grad_norm
 from lightning_hybrid.pipeline.timing import StepTimeline
 from lightning_hybrid.plan.probe import device_peak_flops
@@ -266,7 +266,7 @@ class ParallelMonitor(pl.Callback):
             metrics["throughput/tokens_per_sec"] = window.tokens * replicas / sum(window.step_times)
         metrics.update(self._flops_metrics(trainer, step_time))
         if pipeline is not None:
-            metrics.update(_bubble_metrics(pipeline, per_rank))
+            metrics.update(bubble_metrics(pipeline, per_rank))
         return metrics
 
     def _flops_metrics(self, trainer: pl.Trainer, step_time: float) -> dict[str, float]:
@@ -351,30 +351,6 @@ def batch_size(batch: Any) -> int:
 def _data_parallel_size(trainer: pl.Trainer) -> int:
     data_mesh = getattr(trainer.strategy, "data_mesh", None)
     return data_mesh.size() if data_mesh is not None else trainer.world_size
-
-
-def _bubble_metrics(pipeline: Any, per_rank: list[dict]) -> dict[str, float]:
-    """Bubble per pipeline rank over the window, averaged over the pipelines of the mesh."""
-    by_pipeline: dict[tuple[int, ...], dict[int, list[StepTimeline]]] = {}
-    for summary in per_rank:
-        for timeline in summary["timelines"]:
-            by_pipeline.setdefault(summary["pipeline"], {}).setdefault(timeline.pp_rank, []).append(timeline)
-    bubbles: dict[int, list[float]] = {}
-    for ranks in by_pipeline.values():
-        steps = min(len(timelines) for timelines in ranks.values())
-        if len(ranks) != pipeline.schedule.pp or steps == 0:
-            continue
-        for step in range(steps):
-            for pp_rank, bubble in bubble_per_rank([ranks[r][step] for r in sorted(ranks)]).items():
-                bubbles.setdefault(pp_rank, []).append(bubble)
-    if not bubbles:
-        return {}
-    metrics = {f"pipeline/bubble_rank_{r}": sum(v) / len(v) for r, v in sorted(bubbles.items())}
-    metrics["pipeline/bubble"] = sum(metrics.values()) / len(metrics)
-    theory = pipeline.schedule.theoretical_bubble()
-    if theory is not None:
-        metrics["pipeline/bubble_theory"] = theory
-    return metrics
 
 
 def _gather_to_rank_0(trainer: pl.Trainer, value: Any) -> Optional[list[Any]]:

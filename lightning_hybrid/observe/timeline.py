@@ -50,6 +50,31 @@ def timeline_bubble(timelines: list[StepTimeline]) -> float:
     return sum(bubbles.values()) / len(bubbles)
 
 
+def bubble_metrics(pipeline: Any, per_rank: list[dict]) -> dict[str, float]:
+    """Bubble per pipeline rank over the monitor's window (``per_rank``: each rank's ``{"pipeline": its pipeline's
+    ranks, "timelines": [StepTimeline]}``), averaged over the pipelines of the mesh."""
+    by_pipeline: dict[tuple[int, ...], dict[int, list[StepTimeline]]] = {}
+    for summary in per_rank:
+        for timeline in summary["timelines"]:
+            by_pipeline.setdefault(summary["pipeline"], {}).setdefault(timeline.pp_rank, []).append(timeline)
+    bubbles: dict[int, list[float]] = {}
+    for ranks in by_pipeline.values():
+        steps = min(len(timelines) for timelines in ranks.values())
+        if len(ranks) != pipeline.schedule.pp or steps == 0:
+            continue
+        for step in range(steps):
+            for pp_rank, bubble in bubble_per_rank([ranks[r][step] for r in sorted(ranks)]).items():
+                bubbles.setdefault(pp_rank, []).append(bubble)
+    if not bubbles:
+        return {}
+    metrics = {f"pipeline/bubble_rank_{r}": sum(v) / len(v) for r, v in sorted(bubbles.items())}
+    metrics["pipeline/bubble"] = sum(metrics.values()) / len(metrics)
+    theory = pipeline.schedule.theoretical_bubble()
+    if theory is not None:
+        metrics["pipeline/bubble_theory"] = theory
+    return metrics
+
+
 def render_timeline(timelines: list[StepTimeline], title: str) -> np.ndarray:
     """A Gantt chart: one row per pipeline rank, one box per action labelled ``<kind><microbatch>`` (``s<stage>``
     added when a rank runs several stages), idle time left white."""
