@@ -42,10 +42,7 @@ def choose_for_run(module: nn.Module, blocks_path: str, block_call: tuple[tuple,
     broadcast; every process calls). ``block_call`` is the first block's captured call on the first batch;
     ``accumulation`` the Trainer's ``accumulate_grad_batches``. Raises ``ValueError`` when nothing fits."""
     model, tokens, obstacles = _measure_run(module, blocks_path, block_call, options, device)
-    if options.cluster is not None:
-        cluster, hardware = options.cluster, "as given (cluster=)"
-    else:
-        cluster, hardware = detect_cluster(device, nodes, devices_per_node, precision)
+    cluster, hardware = _run_cluster(options, device, nodes, devices_per_node, precision)
     outcome: list[Union[str, tuple[Estimate, str]]]
     try:
         ranked = choose_layout(model, cluster, options, tokens // model.seq_len, precision, accumulation, obstacles)
@@ -67,13 +64,17 @@ def estimate_for_run(module: nn.Module, blocks_path: str, block_call: tuple[tupl
     accelerator_rng = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator_rng):
         model, tokens = measure_model(module, blocks_path, block_call)
-    if options.cluster is not None:
-        cluster, hardware = options.cluster, "as given (cluster=)"
-    else:
-        cluster, hardware = detect_cluster(device, nodes, devices_per_node, precision)
+    cluster, hardware = _run_cluster(options, device, nodes, devices_per_node, precision)
     (layout,) = candidate_layouts(options, cluster.gpus, accumulation)
-    global_batch = tokens // model.seq_len * layout.dp * layout.dp_replicate * layout.accumulation_steps
-    return estimate(model, cluster, layout, global_batch, precision), hardware
+    return _estimate_for_rank_batch(model, cluster, layout, tokens // model.seq_len, precision), hardware
+
+
+def _run_cluster(options: HybridOptions, device: torch.device, nodes: int, devices_per_node: int,
+                 precision: str) -> tuple[Cluster, str]:
+    """The cluster a run is estimated on (``cluster=`` or the detected hardware) and where its numbers come from."""
+    if options.cluster is not None:
+        return options.cluster, "as given (cluster=)"
+    return detect_cluster(device, nodes, devices_per_node, precision)
 
 
 def _measure_run(module: nn.Module, blocks_path: str, block_call: tuple[tuple, dict], options: HybridOptions,
@@ -130,6 +131,13 @@ class Obstacles:
         return (*reasons, *([self.pipeline] if self.pipeline and layout.pp > 1 else []))
 
 
+def _estimate_for_rank_batch(model: ModelShape, cluster: Cluster, layout: Layout, per_rank_batch: int,
+                             precision: str) -> Estimate:
+    """``estimate`` of ``layout`` when every data-parallel rank takes ``per_rank_batch`` sequences a step."""
+    global_batch = per_rank_batch * layout.dp * layout.dp_replicate * layout.accumulation_steps
+    return estimate(model, cluster, layout, global_batch, precision)
+
+
 def choose_layout(model: ModelShape, cluster: Cluster, options: HybridOptions, per_rank_batch: int, precision: str,
                   accumulation: int = 1, obstacles: Obstacles = Obstacles()) -> list[Estimate]:
     """Estimates of every layout ``options`` leave open, ranked: feasible ones by tokens per second (most first;
@@ -138,8 +146,7 @@ def choose_layout(model: ModelShape, cluster: Cluster, options: HybridOptions, p
     does."""
     estimates = []
     for layout in candidate_layouts(options, cluster.gpus, accumulation):
-        global_batch = per_rank_batch * layout.dp * layout.dp_replicate * layout.accumulation_steps
-        result = estimate(model, cluster, layout, global_batch, precision)
+        result = _estimate_for_rank_batch(model, cluster, layout, per_rank_batch, precision)
         estimates.append(replace(result, reasons=(*result.reasons, *obstacles.reasons(layout))))
     feasible = sorted((e for e in estimates if e.feasible), key=lambda e: (-e.tokens_per_second, e.memory.total))
     infeasible = sorted((e for e in estimates if not e.feasible),
