@@ -2,11 +2,14 @@
 
 Runs ``recipes/pretrain_gpt.py`` with its YAML defaults (GPT of 4 blocks, width 128, 16 sequences of 64 tokens per
 data-parallel rank, fp32, CPU) on ``--devices`` processes: once with dp, tp and pp ``auto`` (the strategy
-probes this machine — matmul FLOP/s, all-reduce latency and bandwidth — and chooses), then once per layout of that
-many processes, with dp and tp fixed and pp ``auto`` so that the layout is the planner's only candidate and its
-prediction is logged too. For each run: the layout and predicted memory and tokens/s from the strategy's log line,
-and the tokens/s ``ParallelMonitor`` measured (median of its logging windows after the first; each data-parallel
-replica's tokens counted once, as the planner counts them). A layout is a good choice if no other measured faster.
+probes this machine — matmul FLOP/s, all-reduce latency and bandwidth — and chooses the degrees, and the schedule,
+microbatches, ZeRO level and checkpointing left unset), then once per layout of that many processes with the
+HybridStrategy defaults, and once per alternative of each option the choice took (the chosen layout with one option
+changed). Each of those runs fixes dp, tp and every option and leaves pp ``auto``, so that the layout is the
+planner's only candidate and its prediction is logged too. For each run: the layout and predicted memory and
+tokens/s from the strategy's log line, and the tokens/s ``ParallelMonitor`` measured (median of its logging windows
+after the first; each data-parallel replica's tokens counted once, as the planner counts them). A choice is good if
+no other layout measured clearly faster.
 
 Usage::
 
@@ -22,11 +25,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_hybrid.options import default_zero_level
+from lightning_hybrid.plan.layout import CHECKPOINTING, Layout, parse_layout
+
 REPO = Path(__file__).resolve().parents[1]
+WHY = re.compile(r"Why: (.+?)\. Hardware")
+BATCH_PER_RANK = 16  # the recipe's data.batch_size
 CHOICE = re.compile(r"chose (?P<layout>.+?) for \d+ devices: predicted (?P<memory>[\d.]+ [MG]iB) per device.*?\),"
                     r" (?P<tokens>[\d,]+) tokens/s")
 
@@ -42,23 +51,38 @@ def run_recipe(degrees: list[str], devices: int, max_steps: int, log_dir: Path) 
     events = EventAccumulator(str(next(log_dir.glob("version_*"))))
     events.Reload()
     measured = [event.value for event in events.Scalars("throughput/tokens_per_sec")][1:]
-    return {"layout": match["layout"], "memory": match["memory"],
+    why = WHY.search(output.stdout + output.stderr)
+    return {"layout": match["layout"], "memory": match["memory"], "why": why[1] if why else "",
             "predicted": float(match["tokens"].replace(",", "")), "measured": statistics.median(measured)}
 
 
-def strategy_degrees(dp: int | str, tp: int | str, pp: int | str) -> list[str]:
-    """The recipe's options for these degrees."""
-    return ["--trainer.strategy.dp", str(dp), "--trainer.strategy.tp", str(tp), "--trainer.strategy.pp", str(pp)]
+def strategy_options(layout: Layout) -> list[str]:
+    """The recipe's options that make ``layout`` the planner's only candidate (pp stays ``auto``: it is logged)."""
+    values = {"dp": layout.dp, "tp": layout.tp, "pp": "auto", "zero": layout.zero,
+              "activation_checkpointing": layout.activation_checkpointing or "none"}
+    if layout.pp > 1:
+        values.update(pp_schedule=layout.pp_schedule, microbatches=layout.microbatches,
+                      virtual_stages=layout.virtual_stages)
+    return [word for name, value in values.items() if value is not None
+            for word in (f"--trainer.strategy.{name}", str(value))]
 
 
-def single_candidate_degrees(devices: int) -> list[list[str]]:
-    """dp and tp fixed, pp left to the planner (so it is the only candidate and gets estimated)."""
-    runs = []
-    for tp in range(1, devices + 1):
-        for pp in range(1, devices // tp + 1):
-            if devices % (tp * pp) == 0:
-                runs.append(strategy_degrees(devices // (tp * pp), tp, "auto"))
-    return runs
+def default_layouts(devices: int) -> list[Layout]:
+    """Every dp × tp × pp of ``devices`` with HybridStrategy's defaults for the rest."""
+    return [Layout(dp=devices // (tp * pp), tp=tp, pp=pp, zero=default_zero_level(pp > 1))
+            for tp in range(1, devices + 1) for pp in range(1, devices // tp + 1) if devices % (tp * pp) == 0]
+
+
+def alternatives(chosen: Layout, per_rank_batch: int) -> list[Layout]:
+    """``chosen`` with one option changed: the other ZeRO level, each other checkpointing mode, and under a
+    pipeline each other microbatch count ≥ pp dividing the batch."""
+    changed = [replace(chosen, zero=5 - chosen.zero)]
+    changed += [replace(chosen, activation_checkpointing=mode) for mode in CHECKPOINTING
+                if mode != chosen.activation_checkpointing]
+    if chosen.pp > 1:
+        changed += [replace(chosen, microbatches=count) for count in range(chosen.pp, per_rank_batch + 1)
+                    if per_rank_batch % count == 0 and count != chosen.microbatches]
+    return changed
 
 
 def main() -> None:
@@ -67,13 +91,15 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=40, help="per run; the monitor logs every 10 steps")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="auto-layout-") as folder:
-        chosen = run_recipe(strategy_degrees("auto", "auto", "auto"), args.devices, args.max_steps,
-                            Path(folder) / "auto")
-        rows = [run_recipe(degrees, args.devices, args.max_steps, Path(folder) / str(index))
-                for index, degrees in enumerate(single_candidate_degrees(args.devices))]
+        auto = ["--trainer.strategy.dp", "auto", "--trainer.strategy.tp", "auto", "--trainer.strategy.pp", "auto"]
+        chosen = run_recipe(auto, args.devices, args.max_steps, Path(folder) / "auto")
+        layout = parse_layout(str(chosen["layout"]), args.devices)
+        candidates = list(dict.fromkeys([*default_layouts(args.devices), *alternatives(layout, BATCH_PER_RANK)]))
+        rows = [run_recipe(strategy_options(candidate), args.devices, args.max_steps, Path(folder) / str(index))
+                for index, candidate in enumerate(candidates)]
     fastest = max(rows, key=lambda row: row["measured"])
     print(f"## tp='auto', pp='auto' on {args.devices} CPU processes: chose {chosen['layout']}"
-          f" (measured fastest: {fastest['layout']})\n")
+          f" (measured fastest: {fastest['layout']})\n\nWhy: {chosen['why'] or '(nothing but the degrees)'}\n")
     print("| layout | predicted memory per device | predicted tokens/s | measured tokens/s | predicted / measured |")
     print("| --- | --- | --- | --- | --- |")
     for row in sorted(rows, key=lambda row: -row["predicted"]):

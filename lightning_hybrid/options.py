@@ -32,6 +32,8 @@ Degree = Union[int, Literal["auto"]]
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 #: ZeRO levels FSDP2 offers (see :mod:`lightning_hybrid.parallel.sharding`).
 ZERO_LEVELS = (2, 3)
+#: ``HybridStrategy(pp_schedule=...)`` when none is given (and the layout is not chosen).
+DEFAULT_SCHEDULE = "1f1b"
 #: The watchdog's default bound in seconds (see :mod:`lightning_hybrid.resilience.watchdog`).
 DEFAULT_WATCHDOG_TIMEOUT_S = 180.0
 
@@ -54,8 +56,11 @@ class HybridOptions:
             and sequence length from the first block's attention on the first batch) and the hardware, estimates
             every layout the other arguments leave open with the planner's cost model, and
             takes the one with the most tokens per second that fits in memory; it logs the choice with its
-            predicted memory and keeps the estimate in ``HybridStrategy.layout_estimate``. See
-            :mod:`lightning_hybrid.plan.auto_layout`.
+            predicted memory, and why each option it chose beats its alternatives, and keeps the estimate in
+            ``HybridStrategy.layout_estimate``. Options left unset are chosen in the same search:
+            ``pp_schedule`` (of 1F1B, GPipe, interleaved 1F1B), ``microbatches`` and ``virtual_stages``,
+            ``zero`` (2 or 3) and ``activation_checkpointing`` (none, ``"every"``, ``"selective"``; pass
+            ``"none"`` to rule checkpointing out). See :mod:`lightning_hybrid.plan.auto_layout`.
         dp_replicate: Replicas of the sharded model (HSDP): parameters are sharded within a replica and gradients
             all-reduced across replicas.
         zero: 3 shards parameters between forward and backward too; 2 keeps them gathered for the step (see
@@ -70,13 +75,13 @@ class HybridOptions:
             structure or a vocabulary tp does not divide stays whole, logged. ``False``: both stay whole on every
             tp rank (sharded over dp only). See :mod:`lightning_hybrid.parallel.tp_vocab`.
         blocks: Name of the container of repeated blocks (found automatically when ``None``).
-        pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+        pp_schedule: ``"1f1b"`` (default; chosen with an ``"auto"`` layout), ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
             ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"`` (torch's schedules).
         microbatches: Microbatches per step (each rank's batch is split into this many); default
-            ``pp × virtual_stages``. The batch size must be divisible by it.
+            ``pp × virtual_stages`` (chosen with an ``"auto"`` layout). The batch size must be divisible by it.
         virtual_stages: Stages per pipeline rank: 1 for ``gpipe``/``1f1b``, default 2 for the others.
         pp_split: Blocks per stage (``pp × virtual_stages`` numbers), overriding the balanced split.
-        activation_checkpointing: ``None`` (default), ``"every"`` block, an integer N (every N-th block) or
+        activation_checkpointing: ``None`` (default: none; chosen with an ``"auto"`` layout), ``"none"``, ``"every"`` block, an integer N (every N-th block) or
             ``"selective"`` (every block, keeping matmul and attention outputs); see
             :mod:`lightning_hybrid.parallel.activation_checkpointing`.
         offload: Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
@@ -127,7 +132,7 @@ class HybridOptions:
     tp_plan: Mapping[str, Any] = field(default_factory=dict)
     shard_vocab: bool = True
     blocks: Optional[str] = None
-    pp_schedule: str = "1f1b"
+    pp_schedule: Optional[str] = None
     microbatches: Optional[int] = None
     virtual_stages: Optional[int] = None
     pp_split: Optional[Sequence[int]] = None
@@ -147,6 +152,8 @@ class HybridOptions:
     pipeline_schedule: Optional[PipelineSchedule] = field(init=False, default=None)
     #: ``zero`` as given (``None``: the default for the layout, see :func:`default_zero_level`).
     zero_given: Optional[int] = field(init=False, default=None, repr=False)
+    #: ``pp_schedule`` as given (``None``: ``"1f1b"``, or the planner's choice under ``pp="auto"``/``tp="auto"``).
+    pp_schedule_given: Optional[str] = field(init=False, default=None, repr=False)
     #: Which blocks are activation-checkpointed (``None``: none).
     checkpointing: Optional[CheckpointPlan] = field(init=False, default=None)
     #: The ``torch.compile`` keyword arguments for every block (``None``: no compilation).
@@ -155,6 +162,8 @@ class HybridOptions:
     def __post_init__(self) -> None:
         check_degrees(self.dp, self.tp, self.pp, self.dp_replicate, auto=("dp", "tp", "pp"))
         self._set("tp_plan", dict(self.tp_plan or {}))
+        self._set("pp_schedule_given", self.pp_schedule)
+        self._set("pp_schedule", DEFAULT_SCHEDULE if self.pp_schedule is None else self.pp_schedule)
         self._set("pipeline_schedule", self._checked_pipeline())
         self._set("zero_given", self.zero)
         self._set("zero", check_zero_level(_zero_level(self.zero, self.pipeline_schedule)))
@@ -205,8 +214,12 @@ class HybridOptions:
         served the choice, is dropped, and so are the pipeline options when the layout has no pipeline (they were
         given for the case that one is chosen)."""
         no_pipeline = dict(microbatches=None, virtual_stages=None, pp_split=None) if pp == 1 else {}
-        return replace(self, dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=self.zero_given, cluster=None,
-                       **no_pipeline)
+        return self.changed(dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, cluster=None, **no_pipeline)
+
+    def changed(self, **changes: Any) -> "HybridOptions":
+        """These options with ``changes``; what was left unset stays unset (``dataclasses.replace`` would pass
+        the resolved ``zero`` and ``pp_schedule`` on as if given)."""
+        return replace(self, **{"zero": self.zero_given, "pp_schedule": self.pp_schedule_given, **changes})
 
     def _checked_pipeline(self) -> Optional[PipelineSchedule]:
         if self.pp == AUTO:

@@ -50,7 +50,7 @@ from lightning_hybrid.parallel.sharding import buffers_to_device
 from lightning_hybrid.parallel.tp_plan import PlanEntry
 from lightning_hybrid.pipeline.runtime import Pipeline
 from lightning_hybrid.pipeline.schedules import PipelineSchedule
-from lightning_hybrid.plan.auto_layout import choose_for_run
+from lightning_hybrid.plan.auto_layout import adopt_layout, choose_for_run
 from lightning_hybrid.plan.hardware import Cluster
 from lightning_hybrid.plan.layout import Estimate
 from lightning_hybrid.resilience.lost_rank import explain_lost_rank
@@ -98,7 +98,7 @@ class HybridStrategy(ModelParallelStrategy):
         self,
         dp: Degree = "auto", tp: Degree = 1, pp: Degree = 1, dp_replicate: int = 1, zero: Optional[int] = None,
         tp_plan: Optional[Mapping[str, PlanEntry]] = None, shard_vocab: bool = True, blocks: Optional[str] = None,
-        pp_schedule: str = "1f1b", microbatches: Optional[int] = None, virtual_stages: Optional[int] = None,
+        pp_schedule: Optional[str] = None, microbatches: Optional[int] = None, virtual_stages: Optional[int] = None,
         pp_split: Optional[Sequence[int]] = None,
         activation_checkpointing: ActivationCheckpointing = None,
         offload: bool = False,
@@ -252,15 +252,14 @@ class HybridStrategy(ModelParallelStrategy):
 
     def _choose_layout(self, trainer: Trainer, module: Any, blocks_path: str, blocks: Any) -> tuple[tuple, dict]:
         """Choose the layout for tp/pp="auto" (see :mod:`lightning_hybrid.plan.auto_layout`), adopt its degrees and
-        build its mesh. Returns the first block's captured call, which tensor parallelism reuses."""
+        the options it chose, and build its mesh. Returns the first block's captured call, which tensor parallelism reuses."""
         block_call = capture_block_call(blocks[0], lambda: run_first_step(trainer, self.root_device))
         self.layout_estimate, self.layout_note = choose_for_run(
             module, blocks_path, block_call, self.options, device=self.root_device, nodes=self.num_nodes,
             devices_per_node=self.num_processes, precision=str(self.precision_plugin.precision),
             accumulation=trainer.accumulate_grad_batches)
         rank_zero_info(f"HybridStrategy(tp={self.options.tp!r}, pp={self.options.pp!r}) {self.layout_note}")
-        layout = self.layout_estimate.layout
-        self.options = self.options.with_degrees(layout.dp, layout.tp, layout.pp, layout.dp_replicate)
+        self.options = adopt_layout(self.options, self.layout_estimate.layout)
         self.dims = ParallelDims(world_size=self.world_size, **self.options.degrees)
         self._build_mesh()
         return block_call

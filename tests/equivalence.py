@@ -735,6 +735,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
             "tp_plan": getattr(trainer.strategy, "tp_plan_applied", {}),
             "auto_layout": str(trainer.strategy.layout_estimate.layout)
             if getattr(trainer.strategy, "layout_estimate", None) else None,
+            "layout_note": getattr(trainer.strategy, "layout_note", None),
             "world_size": trainer.world_size,
             "num_nodes": trainer.num_nodes,
             # Single-device strategies have no cluster environment.

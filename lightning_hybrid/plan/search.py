@@ -43,14 +43,24 @@ def candidate_layouts(cluster: Cluster, global_batch: int, schedules: Sequence[s
         per_replica = global_batch // (dp * replicate) if global_batch % (dp * replicate) == 0 else 0
         base = Layout(dp=dp, tp=tp, pp=pp, dp_replicate=replicate, **(options or {}))
         if pp > 1:
-            counts = [k for k in divisors(per_replica) if k >= pp] or [None]
-            variants = [replace(base, pp_schedule=name, microbatches=count, virtual_stages=stages)
-                        for name in schedules for stages in _virtual_stages(name, pp, layers) for count in counts]
+            variants = pipeline_variants(base, per_replica, schedules, layers)
         else:
             variants = [replace(base, microbatches=k if k > 1 else None) for k in divisors(per_replica) or [1]]
         layouts += [replace(layout, zero=zero, activation_checkpointing=mode)
                     for layout in variants for zero in zero_levels for mode in checkpointing]
     return layouts
+
+
+def pipeline_variants(base: Layout, per_replica_batch: int, schedules: Sequence[str], layers: Optional[int],
+                      microbatches: Optional[int] = None, virtual_stages: Optional[int] = None) -> list[Layout]:
+    """``base`` (pp > 1) with each schedule, each microbatch count ≥ pp that divides ``per_replica_batch`` (the
+    schedule's default count if none does) and, interleaved, each virtual-stage count :func:`candidate_layouts`
+    tries; a given ``microbatches``/``virtual_stages`` is kept instead of varied."""
+    counts = [microbatches] if microbatches else [k for k in divisors(per_replica_batch) if k >= base.pp] or [None]
+    return [replace(base, pp_schedule=name, microbatches=count, virtual_stages=stages)
+            for name in schedules
+            for stages in ([virtual_stages] if virtual_stages else _virtual_stages(name, base.pp, layers))
+            for count in counts]
 
 
 def _virtual_stages(schedule: str, pp: int, layers: Optional[int]) -> list[int]:
@@ -61,7 +71,7 @@ def _virtual_stages(schedule: str, pp: int, layers: Optional[int]) -> list[int]:
     return [2] + [v for v in (3, 4) if layers is not None and layers % (pp * v) == 0]
 
 
-def _recompute_order(layout: Layout) -> int:
+def recompute_order(layout: Layout) -> int:
     """0 without checkpointing, 1 selective, 2 every N-th block, 3 every block: how much each recomputes."""
     mode = layout.activation_checkpointing
     return 0 if mode is None else 1 if mode == "selective" else 3 if mode == "every" else 2
@@ -82,7 +92,7 @@ def plan(model: ModelShape, cluster: Cluster, global_batch: int, precision: str 
     # At equal predicted time, fewer accumulation steps: smaller microbatches run less efficiently (not modeled);
     # then less recomputation (without the cluster's memory bandwidth selective checkpointing costs no time).
     feasible = sorted((e for e in estimates if e.feasible),
-                      key=lambda e: (e.time.step, e.layout.accumulation_steps, _recompute_order(e.layout),
+                      key=lambda e: (e.time.step, e.layout.accumulation_steps, recompute_order(e.layout),
                                      e.memory.total, e.time.data_parallel))
     infeasible = sorted((e for e in estimates if not e.feasible),
                         key=lambda e: (len(e.reasons) - e.out_of_memory, e.memory.total, e.time.step))

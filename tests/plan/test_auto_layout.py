@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, default_collate
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.options import HybridOptions
-from lightning_hybrid.plan.auto_layout import Obstacles, choose_layout, describe_choice
+from lightning_hybrid.pipeline.schedules import PipelineSchedule
+from lightning_hybrid.plan.auto_layout import Obstacles, adopt_layout, choose_layout, describe_choice
 from lightning_hybrid.plan.measure import measure_model, tensor_parallel_obstacles
 from lightning_hybrid.plan.probe import all_reduce_link, matmul_flops
 from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
@@ -123,45 +124,53 @@ def test_the_numeric_plan_check_rules_out_what_structure_cannot() -> None:
 MODEL = ModelShape(layers=8, hidden=1024, heads=16, vocab=32000, seq_len=2048)
 
 
-#: What HybridStrategy(tp="auto", pp="auto") asks the planner for.
+#: What HybridStrategy(tp="auto", pp="auto") asks the planner for: the degrees, and what is left unset.
 AUTO_LAYOUT = HybridOptions(tp="auto", pp="auto")
+#: The degrees alone: ZeRO, schedule and checkpointing given (the default level follows the chosen pp).
+DEGREES_ONLY = HybridOptions(tp="auto", pp="auto", pp_schedule="1f1b", activation_checkpointing="none")
 
 
-def cluster(memory_gib: float, gpus: int = 4) -> Cluster:
+def cluster(memory_gib: float, gpus: int = 4, inter_node_bandwidth: float = 10e9) -> Cluster:
     return Cluster(nodes=1, gpus_per_node=gpus, memory_bytes=memory_gib * GIB, peak_flops=100e12,
-                   intra_node_bandwidth=100e9, inter_node_bandwidth=10e9)
+                   intra_node_bandwidth=100e9, inter_node_bandwidth=inter_node_bandwidth)
 
 
 def test_with_room_to_spare_data_parallelism_wins() -> None:
     """dp4's FSDP traffic hides behind compute (MFU = the cluster's efficiency, 0.5); tensor parallelism exposes its
     all-reduces and pipelines their bubble."""
-    ranked = choose_layout(MODEL, cluster(80), AUTO_LAYOUT, per_rank_batch=4, precision="bf16-mixed")
+    ranked = choose_layout(MODEL, cluster(80), DEGREES_ONLY, per_rank_batch=4, precision="bf16-mixed")
     assert ranked[0].layout == Layout(dp=4) and all(e.feasible for e in ranked)
-    assert len(ranked) == len({str(e.layout) for e in ranked}) == 6  # tp × pp over 4 devices: 1·4, 2·2, 4·1 ... 6
+    assert len({(e.layout.tp, e.layout.pp) for e in ranked}) == 6  # tp × pp over 4 devices: 1·4, 2·2, 4·1 ... 6
     dp4 = estimate(MODEL, cluster(80), Layout(dp=4), global_batch=16, precision="bf16-mixed")
     assert ranked[0].tokens_per_second == dp4.tokens_per_second
-    assert ranked[0].mfu == pytest.approx(0.5) and all(e.mfu < 0.49 for e in ranked[1:])
+    assert ranked[0].mfu == pytest.approx(0.5) and all(e.mfu < 0.49 for e in ranked[1:] if e.layout.dp < 4)
 
 
 def test_memory_rules_out_data_parallelism_and_the_fastest_fitting_split_wins() -> None:
-    roomy = {str(e.layout): e for e in choose_layout(MODEL, cluster(80), AUTO_LAYOUT, 8, "bf16-mixed")}
+    roomy = {str(e.layout): e for e in choose_layout(MODEL, cluster(80), DEGREES_ONLY, 8, "bf16-mixed")}
     dp4_need = roomy["dp4 tp1 pp1 z3"].memory.total
     fitting = [e for e in roomy.values() if e.memory.total < 0.9 * dp4_need]
     assert fitting  # splitting the model saves memory that sharding alone does not: activations
     budget = 0.95 * dp4_need / 0.9  # usable = 90 %: dp4 is 5 % over
-    ranked = choose_layout(MODEL, cluster(budget / GIB), AUTO_LAYOUT, 8, "bf16-mixed")
+    ranked = choose_layout(MODEL, cluster(budget / GIB), DEGREES_ONLY, 8, "bf16-mixed")
     dp4 = next(e for e in ranked if e.layout == Layout(dp=4))
     assert not dp4.feasible and dp4.out_of_memory
     assert ranked[0].feasible and ranked[0].layout.dp < 4
     assert ranked[0].memory.total <= 0.9 * budget
     assert ranked[0].tokens_per_second == max(e.tokens_per_second for e in ranked if e.feasible)
+    # Left to choose checkpointing too, the planner keeps dp4 and drops activations instead: selective
+    # checkpointing recomputes only cheap elementwise work, free at this cluster's unlimited memory bandwidth.
+    chosen = choose_layout(MODEL, cluster(budget / GIB), AUTO_LAYOUT, 8, "bf16-mixed")[0]
+    assert chosen.layout == Layout(dp=4, activation_checkpointing="selective")
+    assert chosen.tokens_per_second == pytest.approx(roomy["dp4 tp1 pp1 z3"].tokens_per_second)
 
 
 def test_fixed_degrees_and_obstacles_narrow_the_candidates() -> None:
-    only_tp2 = choose_layout(MODEL, cluster(80, gpus=8), replace(AUTO_LAYOUT, tp=2), 4, "bf16-mixed")
+    only_tp2 = choose_layout(MODEL, cluster(80, gpus=8), DEGREES_ONLY.changed(tp=2), 4, "bf16-mixed")
     assert {e.layout.tp for e in only_tp2} == {2} and {e.layout.pp for e in only_tp2} == {1, 2, 4}
     refused = {2: "tensor parallelism: no"}
-    ranked = choose_layout(MODEL, cluster(80), replace(AUTO_LAYOUT, dp=1), 4, "bf16-mixed", obstacles=Obstacles(refused))
+    ranked = choose_layout(MODEL, cluster(80), DEGREES_ONLY.changed(dp=1), 4, "bf16-mixed",
+                           obstacles=Obstacles(refused))
     by_layout = {(e.layout.tp, e.layout.pp): e for e in ranked}
     assert set(by_layout) == {(1, 4), (2, 2), (4, 1)}
     assert by_layout[(2, 2)].reasons == ("tensor parallelism: no",) and by_layout[(1, 4)].feasible
@@ -171,39 +180,96 @@ def test_a_module_that_cannot_be_pipelined_gets_no_pipeline() -> None:
     """The strategy passes why (manual optimization) and every pp > 1 layout is ruled out with that reason, even
     where a pipeline is what memory calls for (2 GiB: only dp1 tp1 pp4 fits, above)."""
     why = "the pipeline needs automatic optimization"
-    ranked = choose_layout(MODEL, cluster(80), AUTO_LAYOUT, 4, "bf16-mixed", obstacles=Obstacles(pipeline=why))
+    ranked = choose_layout(MODEL, cluster(80), DEGREES_ONLY, 4, "bf16-mixed", obstacles=Obstacles(pipeline=why))
     assert ranked[0].layout.pp == 1
     assert all(why in e.reasons for e in ranked if e.layout.pp > 1)
     with pytest.raises(ValueError, match=r"The nearest, dp1 tp4 pp1 z3: out of memory: 4.4 GiB per GPU"):
-        choose_layout(MODEL, cluster(2), AUTO_LAYOUT, 8, "bf16-mixed", obstacles=Obstacles(pipeline=why))
+        choose_layout(MODEL, cluster(2), DEGREES_ONLY, 8, "bf16-mixed", obstacles=Obstacles(pipeline=why))
 
 
 def test_accumulation_is_the_planners_microbatches_without_a_pipeline() -> None:
-    ranked = choose_layout(MODEL, cluster(80), replace(AUTO_LAYOUT, pp=1), 4, "bf16-mixed", accumulation=4)
+    ranked = choose_layout(MODEL, cluster(80), DEGREES_ONLY.changed(pp=1), 4, "bf16-mixed", accumulation=4)
     dp4 = next(e for e in ranked if e.layout.dp == 4)
     assert dp4.layout == Layout(dp=4, microbatches=4)
     # 4 sequences per rank and step, 4 steps per optimizer step, 4 ranks: 64 sequences of 2048 tokens per step.
     assert dp4.tokens_per_second * dp4.time.step == pytest.approx(64 * 2048)
     # On top of a pipeline the accumulation steps are pipeline steps, each with its microbatches and bubble.
-    piped = choose_layout(MODEL, cluster(80), replace(AUTO_LAYOUT, pp=2, tp=1), 4, "bf16-mixed", accumulation=4)
+    piped = choose_layout(MODEL, cluster(80), HybridOptions(pp=2, tp=1), 4, "bf16-mixed", accumulation=4)
     assert {e.layout.accumulate for e in piped} == {4}
     assert piped[0].tokens_per_second * piped[0].time.step == pytest.approx(2 * 4 * 4 * 2048)  # dp2 · 4 · 4
 
 
 def test_when_nothing_fits_the_error_says_what_would() -> None:
+    """With checkpointing ruled out ("none") the message names what checkpointing would fit; left unset, the
+    search has tried it already."""
     with pytest.raises(ValueError, match=r"no layout of 4 devices .* 8 sequences of 2048 tokens per data-parallel rank"
                                          r".*out of memory.* With HybridStrategy\(activation_checkpointing='every'\)"
-                                         r" dp1 tp1 pp4 1f1b m4 z3 ac fits \(1.63 GiB per device\)"):
-        choose_layout(MODEL, cluster(2), AUTO_LAYOUT, 8, "bf16-mixed")  # pp4 needs 2.0 GiB, 1.8 usable
+                                         r" dp1 tp2 pp2 1f1b m8 z2 ac fits \(1.03 GiB per device\)"):
+        choose_layout(MODEL, cluster(1.2), DEGREES_ONLY, 8, "bf16-mixed")  # the nearest is 49.7 MiB over
+    assert choose_layout(MODEL, cluster(1.2), AUTO_LAYOUT, 8, "bf16-mixed")[0].layout.activation_checkpointing
     with pytest.raises(ValueError, match=r"over the usable 0.9 GiB. Lower the DataLoader's batch size or add devices"):
         choose_layout(MODEL, cluster(1), AUTO_LAYOUT, 8, "bf16-mixed")
 
 
 def test_the_log_line_names_the_choice_its_memory_and_the_runner_up() -> None:
-    ranked = choose_layout(MODEL, cluster(80), AUTO_LAYOUT, 4, "bf16-mixed")
+    ranked = choose_layout(MODEL, cluster(80), DEGREES_ONLY, 4, "bf16-mixed")
     text = describe_choice(ranked, cluster(80), "given")
     assert text.startswith(f"chose {ranked[0].layout} for 4 devices: predicted {ranked[0].memory.total / GIB:.2f} GiB")
     assert f"next {ranked[1].layout} at" in text and text.endswith("Hardware: given.")
+    # Besides the degrees only ZeRO was left open: at dp4 both levels hide their traffic, ZeRO-3 holds less.
+    assert text.endswith(f"Why: ZeRO 3 (2: as fast, {ranked[1].memory.total / GIB:.2f} GiB). Hardware: given.")
+
+
+# ------------------------------------------------------------------------------------ the options left unset
+def test_more_microbatches_shrink_the_bubble_and_are_chosen() -> None:
+    """pp4 on 4 devices, 16 sequences per rank: 1F1B's bubble is (p − 1)/(m + p − 1) of the step, 3/7 at m = 4
+    and 3/19 at m = 16, and at equal compute the step shrinks with it: the most microbatches win (the p2p messages
+    of 16 small microbatches cost less than the idle time they save)."""
+    options = HybridOptions(dp=1, tp="auto", pp=4, pp_schedule="1f1b", zero=2, activation_checkpointing="none")
+    ranked = choose_layout(MODEL, cluster(80), options, 16, "bf16-mixed")
+    by_count = {e.layout.microbatches: e for e in ranked}
+    assert sorted(by_count) == [4, 8, 16] and ranked[0].layout.microbatches == 16
+    for count, bubble in ((4, 3 / 7), (16, 3 / 19)):
+        assert by_count[count].time.bubble / by_count[count].time.step == pytest.approx(bubble, rel=0.1)
+    text = describe_choice(ranked, cluster(80), "given")
+    slower = by_count[4].tokens_per_second / by_count[16].tokens_per_second
+    assert f"Why: microbatches 16, bubble {by_count[16].time.bubble / by_count[16].time.step:.0%} of the step" in text
+    assert f"4: {slower:.2f}×" in text and slower < 0.8
+
+
+def test_zero_3_under_a_pipeline_loses_to_zero_2_where_its_gathers_are_exposed() -> None:
+    """Under pp ZeRO-3 gathers each block 2 × microbatches times a step, ZeRO-2 once: over a slow link (2 GB/s)
+    the planner keeps parameters gathered; without a pipeline, where memory is tight, it shards them (ZeRO-2 does
+    not fit)."""
+    slow = replace(cluster(80), intra_node_bandwidth=2e9)
+    options = HybridOptions(dp=2, tp=1, pp="auto", pp_schedule="1f1b", activation_checkpointing="none")
+    piped = [e for e in choose_layout(MODEL, slow, options, 8, "bf16-mixed") if e.layout.pp == 2]
+    by_zero = {e.layout.zero: e for e in piped if e.layout.microbatches == piped[0].layout.microbatches}
+    assert piped[0].layout.zero == 2 and by_zero[3].time.data_parallel > 2 * by_zero[2].time.data_parallel
+    assert by_zero[3].tokens_per_second < by_zero[2].tokens_per_second
+    only_dp = HybridOptions(dp=4, tp="auto", pp=1, activation_checkpointing="none")  # 4 devices: tp1 is left
+    dp4 = {e.layout.zero: e for e in choose_layout(MODEL, cluster(80), only_dp, 8, "bf16-mixed")}
+    tight = cluster((dp4[2].memory.total + dp4[3].memory.total) / 2 / 0.9 / GIB)  # between the two levels' needs
+    chosen = choose_layout(MODEL, tight, only_dp, 8, "bf16-mixed")
+    assert chosen[0].layout == Layout(dp=4, zero=3) and dp4[2].memory.total > dp4[3].memory.total
+    assert f"Why: ZeRO 3 (2: out of memory ({dp4[2].memory.total / GIB:.2f} GiB))" in describe_choice(
+        chosen, tight, "given")
+
+
+def test_given_options_are_kept_and_the_chosen_ones_adopted() -> None:
+    given = HybridOptions(tp="auto", pp="auto", pp_schedule="gpipe", microbatches=4, zero=3,
+                          activation_checkpointing="none")
+    ranked = choose_layout(MODEL, cluster(80), given, 8, "bf16-mixed")
+    piped = [e.layout for e in ranked if e.layout.pp > 1]
+    assert piped and {(l.pp_schedule, l.microbatches, l.zero) for l in piped} == {("gpipe", 4, 3)}
+    assert {e.layout.activation_checkpointing for e in ranked} == {None}
+    chosen = Layout(dp=1, tp=1, pp=4, zero=2, pp_schedule="interleaved_1f1b", microbatches=8, virtual_stages=2,
+                    activation_checkpointing="selective")
+    adopted = adopt_layout(AUTO_LAYOUT, chosen)
+    assert (adopted.tp, adopted.pp, adopted.zero, adopted.activation_checkpointing) == (1, 4, 2, "selective")
+    assert adopted.pipeline_schedule == PipelineSchedule("interleaved_1f1b", 4, 2, 8) and adopted.cluster is None
+    unpiped = adopt_layout(HybridOptions(tp="auto", activation_checkpointing="none"), Layout(dp=4, zero=3))
+    assert (unpiped.pipeline_schedule, unpiped.zero, unpiped.checkpointing) == (None, 3, None)
 
 
 # ------------------------------------------------------------------------------------------------- hardware
