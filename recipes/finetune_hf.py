@@ -267,7 +267,8 @@ class FineTuneCLI(LightningCLI):
             return
         from lightning_hybrid.checkpoint.hf_export import export_hugging_face
 
-        exported = export_hugging_face(checkpoint, out / "hf")  # the class the checkpoint recorded
+        # The class the checkpoint recorded; a restarted job's export replaces the one its earlier attempt wrote.
+        exported = export_hugging_face(checkpoint, out / "hf", replace=True)
         if config.evaluate:
             self.compare_with_pretrained(exported)
 

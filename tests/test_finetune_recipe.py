@@ -124,8 +124,8 @@ def run_without_training(args: list[str], out: Path, monkeypatch: pytest.MonkeyP
     def no_fit(trainer: Trainer, **kwargs: Any) -> None:
         pass
 
-    def export(checkpoint: Path, output: Path) -> Path:
-        calls["export"].append((checkpoint, output))
+    def export(checkpoint: Path, output: Path, replace: bool) -> Path:
+        calls["export"].append((checkpoint, output, replace))
         return output
 
     for name in LAUNCHER_VARIABLES:
@@ -142,7 +142,7 @@ def test_after_fit_exports_and_evaluates_by_default(tmp_path: Path, monkeypatch:
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     calls = run_without_training([], tmp_path, monkeypatch)
     assert calls["save"] == [tmp_path / "checkpoint.ckpt"]
-    assert calls["export"] == [(tmp_path / "checkpoint.ckpt", tmp_path / "hf")]
+    assert calls["export"] == [(tmp_path / "checkpoint.ckpt", tmp_path / "hf", True)]  # a restart exports again
     assert [(folder, kernel) for folder, _, kernel in calls["evaluate"]] == [
         (tmp_path / "pretrained", "sdpa"), (tmp_path / "hf", "sdpa")]
     assert "fine-tuned:  val loss 1.000" in capsys.readouterr().out

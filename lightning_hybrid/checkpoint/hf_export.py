@@ -65,18 +65,23 @@ def export_hugging_face(
     module_kwargs: Optional[Mapping[str, Any]] = None,
     max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
     config_from: Optional[Union[str, os.PathLike]] = None,
+    replace: bool = False,
 ) -> Path:
     """Write the ``PreTrainedModel`` inside the checkpoint's LightningModule as a Hugging Face directory (see the
     module docstring) and return its path.
 
     ``module``: the LightningModule's class, as ``"package.module:ClassName"`` or the class itself, or a built
     instance; by default the class the checkpoint recorded. ``max_shard_size``: bytes, or ``"500MB"``-style. ``config_from``: a Hugging Face directory (or its
-    ``config.json``) whose config to copy instead of the model's own.
+    ``config.json``) whose config to copy instead of the model's own. ``replace``: an earlier export in
+    ``output_dir`` (a directory holding ``config.json``) is replaced once the new one is complete — what a job that
+    restarted and trained on exports again; any other non-empty directory is still refused.
     """
     folder = require_sharded_checkpoint(checkpoint)
     output = Path(output_dir)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ValueError(f"{output} already exists and is not an empty directory: export into a new directory.")
+    earlier_export = replace and (output / "config.json").is_file()
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not earlier_export:
+        raise ValueError(f"{output} already exists and is not an empty directory: export into a new directory"
+                         + ("." if replace else " (or pass replace=True over an earlier export)."))
     prefix, pretrained = find_pretrained_model(_built_module(module, folder, module_kwargs))
     reader = dcp.FileSystemReader(folder)
     stored = _stored_tensors(reader, prefix, _exported_names(pretrained), folder)
@@ -86,6 +91,8 @@ def export_hugging_face(
     try:
         _write_weights(reader, prefix, stored, partial, max_shard_size)
         _write_config(pretrained, stored, partial, config_from)
+        if earlier_export:
+            shutil.rmtree(output)  # only now: a failed export above leaves the earlier one in place
         os.replace(partial, output)  # onto a missing or empty directory: atomic
     finally:
         shutil.rmtree(partial, ignore_errors=True)

@@ -116,6 +116,11 @@ def test_config_is_copied_from_a_directory_and_hyperparameters_can_be_overridden
     out = export_hugging_face(tmp_path / "ckpt", tmp_path / "hf", MODULE, config_from=tmp_path / "source")
     assert (out / "config.json").read_bytes() == (tmp_path / "source" / "config.json").read_bytes()
     _assert_loads_bit_for_bit(out, tmp_path / "ckpt", module)
+    # A restarted job exports again over its earlier export: replaced, once the new one is complete.
+    (out / "stale.safetensors").write_bytes(b"")
+    assert export_hugging_face(tmp_path / "ckpt", out, MODULE, replace=True) == out
+    assert not (out / "stale.safetensors").exists() and not (tmp_path / "hf.partial").exists()
+    _assert_loads_bit_for_bit(out, tmp_path / "ckpt", module)
     # Built from the saved hyperparameters unless overridden: 4 blocks do not match the 2-block checkpoint.
     with pytest.raises(ValueError, match=r"lacks tensors of the module's Hugging Face model: \['model.model.layers.2"):
         export_hugging_face(tmp_path / "ckpt", tmp_path / "hf4", MODULE, module_kwargs={"config": {}})
@@ -135,6 +140,9 @@ def test_a_module_without_a_hugging_face_model_and_other_bad_input_are_refused(t
     (tmp_path / "full" / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match=r"already exists and is not an empty directory"):
         export_hugging_face(tmp_path / "ckpt", tmp_path / "full", MODULE)
+    with pytest.raises(ValueError, match=r"already exists and is not an empty directory"):  # not an export
+        export_hugging_face(tmp_path / "ckpt", tmp_path / "full", MODULE, replace=True)
+    assert (tmp_path / "full" / "tokenizer.json").read_text() == "{}"
     with pytest.raises(ValueError, match=r"is not a sharded HybridStrategy checkpoint"):
         export_hugging_face(tmp_path / "full", tmp_path / "hf", MODULE)
 
