@@ -46,11 +46,17 @@ _READ = "_hybrid_strategy_mesh_read"
 
 def mesh_degrees(options: HybridOptions, world_size: int, devices_per_node: int) -> dict[str, Degree]:
     """The degrees of the mesh built when processes start. Fixed ones as given; with ``tp``/``pp="auto"``, Lightning's
-    meaning: ``pp`` 1, ``tp`` what a fixed ``dp`` leaves, else one node's devices (ModelParallelStrategy's default:
-    tensor parallelism within a node, data parallelism across nodes). ``dp="auto"`` takes the rest."""
+    meaning: ``pp`` 1 (what fixed ``dp`` and ``tp`` leave, if both are), ``tp`` what a fixed ``dp`` leaves, else one
+    node's devices (ModelParallelStrategy's default: tensor parallelism within a node, data parallelism across
+    nodes). ``dp="auto"`` takes the rest."""
     if not options.chooses_layout:
         return options.degrees
-    pp = 1 if options.pp == AUTO else int(options.pp)
+    if options.pp != AUTO:
+        pp = int(options.pp)
+    elif AUTO not in (options.dp, options.tp):  # both fixed: the pipeline is what they leave, not Lightning's 1
+        pp = world_size // (int(options.dp) * int(options.tp) * options.dp_replicate)
+    else:
+        pp = 1
     rest = world_size // (pp * options.dp_replicate)
     if options.tp != AUTO:
         tp = int(options.tp)
