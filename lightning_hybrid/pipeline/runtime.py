@@ -26,7 +26,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,8 @@ from lightning_hybrid.metrics import (
     recording_metric_calls,
     replay_metric_calls,
 )
+from lightning_hybrid.options import MEASURED_SPLIT
+from lightning_hybrid.pipeline.measured import MeasuredSplit, measure_split
 from lightning_hybrid.pipeline.shared import SharedParameter, combine_gradients, counted_elsewhere, shared_parameters
 from lightning_hybrid.pipeline.split import StageSplit, plan_split
 from lightning_hybrid.pipeline.trace import trace_step
@@ -82,19 +84,27 @@ NEEDS_AUTOMATIC_OPTIMIZATION = (
 
 def build_pipeline(module: Any, blocks_path: str, blocks: BlockList, schedule: PipelineSchedule,
                    mesh: DeviceMesh, device: torch.device, run_step: Callable[[], Any],
-                   pp_split: Optional[Sequence[int]] = None,
+                   pp_split: Union[None, str, Sequence[int]] = None,
                    compute_dtype: Optional[torch.dtype] = None) -> "Pipeline":
     """Trace one step (``run_step``, on one microbatch: the stand-ins answer from what it records), split it into
-    the schedule's stages (``pp_split`` blocks per stage, else balanced by FLOPs) and keep meta-device copies of
-    every unit, taken before any other parallelism changes the units. ``mesh`` is the whole device mesh."""
+    the schedule's stages (``pp_split`` blocks per stage; ``"measured"``: balanced by the step's measured times,
+    :mod:`lightning_hybrid.pipeline.measured`, which runs ``run_step`` forward and backward and needs its output;
+    else balanced by FLOPs) and keep meta-device copies of every unit, taken before any other parallelism changes
+    the units. ``mesh`` is the whole device mesh."""
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(f"HybridStrategy(pp > 1): {NEEDS_AUTOMATIC_OPTIMIZATION}. Set"
                          " self.automatic_optimization = True or use pp=1.")
     trace = trace_step(module, blocks, run_step)
+    measured = None
+    if pp_split == MEASURED_SPLIT:
+        measured = measure_split(module, blocks, trace, schedule, run_step, device, blocks_path)
+        pp_split = measured.blocks_per_stage
     split = plan_split(module, blocks_path, blocks, trace, schedule.num_stages, pp_split)
     shadows = make_shadows(module, split, compute_dtype)
     dispatcher = UnitDispatcher(split, shadows, trace.outputs, device, compute_dtype)
-    return Pipeline(module, split, schedule, mesh, device, dispatcher)
+    pipeline = Pipeline(module, split, schedule, mesh, device, dispatcher)
+    pipeline.measured_split = measured
+    return pipeline
 
 
 class _StageModule(nn.Module):
@@ -149,6 +159,8 @@ class Pipeline:
         self._recorder = StepRecorder(device)
         #: The last recorded training step of this rank (see :class:`StepTimeline`).
         self.last_timeline: Optional[StepTimeline] = None
+        #: With ``pp_split="measured"``: the measured costs, the split and its predicted stage times and bubble.
+        self.measured_split: Optional[MeasuredSplit] = None
         last_stage = schedule.stage_ranks()[schedule.num_stages - 1]
         self._last_stage_rank = dist.get_global_rank(self._group, last_stage)
 
