@@ -156,3 +156,29 @@ def test_a_meta_device_model_is_refused_with_the_alternatives() -> None:
     with pytest.raises(ValueError, match=r"parameters are on the meta device.*pp_split=\[\.\.\.\].*traced FLOPs"):
         measure_step(model, blocks, lambda: model(torch.randn(4, 8, device="meta")), torch.device("cpu"))
     assert "pp_split='measured'" in META_DEVICE
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pp=2 on blocks whose time FLOPs do not see (multi-process, slow)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_measured_split_moves_blocks_off_the_slow_stage_and_trains_like_one_device(tmp_path: Path) -> None:
+    """Four blocks with equal matrix products; block 0 also runs 40 rounds of scans along the sequence (about 15
+    times the others' time, zero FLOPs). By FLOPs the head weighs two blocks, so the FLOP split is [3, 1]; by
+    time block 0 outweighs the other three and the head, so the measured split gives it a stage of its own."""
+    reference = run_rank_script(SCRIPT, ["--splits", "reference", "--out", tmp_path / "reference.pt"])["reference"]
+    run = run_rank_script(SCRIPT, ["--splits", "measured", "--devices", 2, "--out", tmp_path / "pp.pt"],
+                          nprocs_timeout=300)["measured"]
+    measured = run["measured"]
+    assert measured["flop_blocks_per_stage"] == [3, 1]
+    assert measured["blocks_per_stage"] == [1, 3]
+    assert run["blocks_per_stage"] == [[1, 3], [1, 3]]  # both ranks adopted it
+    blocks = measured["times"]["blocks"]
+    assert blocks[0] > 3 * max(blocks[1:]) and measured["times"]["backward"]
+    # Predicted from the measured costs: the slowest stage is faster, the bubble smaller than the FLOP split's.
+    assert max(measured["stage_seconds"]) < max(measured["flop_stage_seconds"])
+    assert measured["bubble"] < measured["flop_bubble"]
+    assert len(reference["losses"]) == len(run["losses"]) == 4
+    assert max(abs(a - b) / abs(a) for a, b in zip(reference["losses"], run["losses"], strict=True)) <= 1e-5
+    assert run["params"].keys() == reference["params"].keys()
+    assert max(relative_difference(reference["params"][k], run["params"][k]) for k in reference["params"]) <= 1e-5
