@@ -77,16 +77,9 @@ class HybridOptions:
         microbatches: Microbatches per step (each rank's batch is split into this many); default
             ``pp × virtual_stages``. The batch size must be divisible by it.
         virtual_stages: Stages per pipeline rank: 1 for ``gpipe``/``1f1b``, default 2 for the others.
-        pp_split: Blocks per stage (``pp × virtual_stages`` numbers), overriding the balanced split; or
-            ``"measured"``: at setup every rank times each block's forward and backward, and the work before the
-            first block (embeddings) and after the last (head, loss), on the first microbatch on its device (a
-            warm-up, then the median of 5 steps; the mean over ranks, so all adopt one split), and the stages are
-            balanced by these seconds instead of traced FLOPs — for blocks whose time goes to work FLOP counting
-            does not see (elementwise ops, sorting, scans). The split, its predicted stage times and bubble, and the
-            FLOP-balanced split's under the same costs are logged and kept in ``strategy.pipeline.measured_split``.
-            The timed steps change no parameter, gradient, buffer or random stream; they need the model's
-            parameters on the device (not with meta-device initialization). Not with ``pp="auto"``. See
-            :mod:`lightning_hybrid.pipeline.measured`.
+        pp_split: Blocks per stage (``pp × virtual_stages`` numbers), overriding the balanced split; ``"measured"``
+            balances the stages by each block's forward + backward time, measured at setup on the first microbatch
+            (not with ``pp="auto"`` or a meta-device model; see :mod:`lightning_hybrid.pipeline.measured`).
         activation_checkpointing: ``None`` (default), ``"every"`` block, an integer N (every N-th block) or
             ``"selective"`` (every block, keeping matmul and attention outputs); see
             :mod:`lightning_hybrid.parallel.activation_checkpointing`.
@@ -220,7 +213,9 @@ class HybridOptions:
                        **no_pipeline)
 
     def _checked_pipeline(self) -> Optional[PipelineSchedule]:
-        _check_pp_split(self.pp_split)
+        if not (self.pp_split is None or self.pp_split == MEASURED_SPLIT or isinstance(self.pp_split, (list, tuple))):
+            raise ValueError(f"HybridStrategy(pp_split={self.pp_split!r}) is invalid: pass the blocks of each stage"
+                             f" (e.g. [3, 5]), '{MEASURED_SPLIT}' (balanced by measured time) or None (by FLOPs).")
         if self.pp == AUTO:
             _check_pipeline_may_be_chosen(self.pp_split, self.save_distributed_checkpoint)
             return None
@@ -297,21 +292,10 @@ _CONSOLIDATED_WITH_PIPELINE = (
 )
 
 
-def _check_pp_split(pp_split: object) -> None:
-    """A split is blocks per stage or ``"measured"``; the numbers are checked against the model at setup."""
-    if pp_split is None or pp_split == MEASURED_SPLIT:
-        return
-    if not isinstance(pp_split, (list, tuple)):
-        raise ValueError(f"HybridStrategy(pp_split={pp_split!r}) is invalid: pass the number of blocks of each stage"
-                         f" (e.g. [3, 5]), '{MEASURED_SPLIT}' (balance the stages by measured time) or None (by"
-                         " traced FLOPs).")
-
-
 def _check_pipeline_may_be_chosen(pp_split: object, save_distributed_checkpoint: bool) -> None:
     if pp_split == MEASURED_SPLIT:
-        raise ValueError(f"HybridStrategy(pp='auto', pp_split='{MEASURED_SPLIT}') is not supported: the automatic"
-                         " layout plans its stages from its cost model. Pass pp=N with pp_split='measured', or leave"
-                         " pp_split out.")
+        raise ValueError("HybridStrategy(pp='auto', pp_split='measured') is not supported: the automatic layout plans"
+                         " its stages with its cost model. Pass pp=N with pp_split='measured', or leave pp_split out.")
     if pp_split is not None:
         raise ValueError("HybridStrategy(pp='auto', pp_split=...): a split fixes the number of stages; pass pp=N with"
                          " it, or leave pp_split out and let the strategy balance the stages.")

@@ -22,7 +22,7 @@ restored. On GPUs every timestamp waits for the device (``torch.accelerator.sync
 
 Example::
 
-    measured = measure_split(module, blocks, trace, schedule, run_step, device)
+    measured = measure_split(module, blocks, trace, schedule, run_step, device, "model.blocks")
     measured.blocks_per_stage, measured.stage_seconds       # e.g. [1, 3], [0.0061, 0.0042]
     measured.flop_blocks_per_stage, measured.flop_stage_seconds   # [3, 1] and its times under the measured costs
 """
@@ -34,13 +34,14 @@ import functools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hybrid._compat import tree_leaves
+from lightning_hybrid.options import MEASURED_SPLIT
 from lightning_hybrid.parallel.blocks import BlockList
 from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.pipeline.split import balanced_split, check_enough_blocks, flop_balanced_split
@@ -144,6 +145,17 @@ def split_by_time(times: StepTimes, schedule: PipelineSchedule, flop_split: Sequ
                          flop_seconds, predicted_bubble(flop_seconds, schedule))
 
 
+def resolve_split(pp_split: Union[None, str, Sequence[int]], root: nn.Module, blocks: BlockList, blocks_path: str,
+                  trace: StepTrace, schedule: PipelineSchedule, run_step: Callable[[], Any],
+                  device: torch.device) -> tuple[Optional[Sequence[int]], Optional[MeasuredSplit]]:
+    """``pp_split`` as :func:`~lightning_hybrid.pipeline.split.plan_split` takes it (blocks per stage, or ``None``
+    for the FLOP split) and, for ``"measured"``, the :func:`measure_split` that chose the blocks per stage."""
+    if pp_split != MEASURED_SPLIT:
+        return pp_split, None  # type: ignore[return-value]  # HybridOptions allows no other string
+    measured = measure_split(root, blocks, trace, schedule, run_step, device, blocks_path)
+    return measured.blocks_per_stage, measured
+
+
 def measure_split(root: nn.Module, blocks: BlockList, trace: StepTrace, schedule: PipelineSchedule,
                   run_step: Callable[[], Any], device: torch.device, blocks_path: str = "") -> MeasuredSplit:
     """Time the step (:func:`measure_step`), agree on the times over all ranks and split by them. Every rank
@@ -230,7 +242,7 @@ class _StepClock:
         return time.perf_counter()
 
     def attach(self, root: nn.Module) -> list[Any]:
-        handles = [module.register_forward_pre_hook(self._model_started) for module in _model_entries(root, self.blocks)]
+        handles = [entry.register_forward_pre_hook(self._model_started) for entry in _model_entries(root, self.blocks)]
         owner = {id(p): index for index, block in enumerate(self.blocks) for p in block.parameters()}
         for index, block in enumerate(self.blocks):
             handles.append(block.register_forward_pre_hook(functools.partial(self._block_started, index),

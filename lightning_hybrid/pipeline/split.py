@@ -1,12 +1,13 @@
 """Split an unmodified model into pipeline stages: what runs and what lives where, decided from one traced step.
 
 The model is cut between its repeated blocks (:func:`lightning_hybrid.parallel.blocks.find_block_list`), balanced by
-each block's traced FLOPs, or by its measured time (``pp_split="measured"``, :mod:`lightning_hybrid.pipeline.measured`). Every other module that holds parameters — embeddings, final norm, head, whatever the
-user named them — goes with the stages that call it (:mod:`lightning_hybrid.pipeline.trace`): before the first
-block → the first stage, after the last block → the last stage, between blocks → every stage. A parameter lives on
-every stage that reads it, whichever module holds it: a weight tied between the embedding (first stage) and the
-head (last stage) lives on both, as do its modules; a table held by the model itself (``self.pos_embed``) lives
-where it is read. The runtime sums the gradients of a parameter held on several stages over them.
+each block's traced FLOPs (or measured time: :mod:`lightning_hybrid.pipeline.measured`). Every other module that
+holds parameters — embeddings, final norm, head, whatever the user named them — goes with the stages that call it
+(:mod:`lightning_hybrid.pipeline.trace`): before the first block → the first stage, after the last block → the last
+stage, between blocks → every stage. A parameter lives on every stage that reads it, whichever module holds it: a
+weight tied between the embedding (first stage) and the head (last stage) lives on both, as do its modules; a table
+held by the model itself (``self.pos_embed``) lives where it is read. The runtime sums the gradients of a parameter
+held on several stages over them.
 
 Example::
 

@@ -120,7 +120,7 @@ def _result(trainer: pl.Trainer, callbacks: list[pl.Callback]) -> dict[str, Any]
     result["blocks_per_stage"] = _gathered(pipeline.split.blocks_per_stage)
     measured = pipeline.measured_split
     result["measured"] = None if measured is None else {
-        **{f.name: getattr(measured, f.name) for f in dataclasses.fields(measured) if f.name not in ("times", "schedule")},
+        **{f.name: getattr(measured, f.name) for f in dataclasses.fields(measured) if f.name != "schedule"},
         "times": dataclasses.asdict(measured.times), "describe": measured.describe()}
     if len(callbacks) > 1:
         result["timelines"] = list(zip(*_gathered(callbacks[1].timelines)))  # per step: every rank's
