@@ -213,14 +213,6 @@ def _leaving_no_trace(root: nn.Module, device: torch.device) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-@dataclass
-class _Sample:
-    before: float
-    blocks: list[float]
-    after: float
-    backward: bool
-
-
 class _StepClock:
     """Hooks that timestamp one step's phases (see the module docstring); :meth:`time_step` runs one step."""
 
@@ -280,7 +272,7 @@ class _StepClock:
         if index is not None:
             self.parameter_gradient[index] = self.now()
 
-    def time_step(self, run_step: Callable[[], Any]) -> _Sample:
+    def time_step(self, run_step: Callable[[], Any]) -> StepTimes:
         """Run one step (and the backward of its loss) and return its phases' seconds."""
         self._reset()
         output = run_step()
@@ -290,14 +282,14 @@ class _StepClock:
             loss.backward()
         return self._sample(self.now(), backward)
 
-    def _sample(self, step_end: float, backward: bool) -> _Sample:
+    def _sample(self, step_end: float, backward: bool) -> StepTimes:
         last = len(self.blocks) - 1
         blocks = [stop - start + self._backward_seconds(i) for i, (start, stop) in enumerate(self.forward)]
+        assert self.model_start is not None  # the first block's start starts the model at the latest
         first_done = self._backward_end(0)
-        before = self.forward[0][0] - (self.model_start or self.forward[0][0])
-        before += step_end - (first_done if first_done is not None else step_end)
+        before = self.forward[0][0] - self.model_start + step_end - (first_done if first_done is not None else step_end)
         after = self.backward_start.get(last, step_end) - self.forward[last][1]  # head, loss and their backward
-        return _Sample(before, blocks, after, backward)
+        return StepTimes(before, blocks, after, backward)
 
     def _backward_end(self, index: int) -> Optional[float]:
         ends = [t for t in (self.input_gradient.get(index), self.parameter_gradient.get(index)) if t is not None]
