@@ -32,9 +32,10 @@ _STEPS = {
 }
 
 
-def run_first_step(trainer: Trainer, device: torch.device, microbatches: int = 1) -> None:
+def run_first_step(trainer: Trainer, device: torch.device, microbatches: int = 1) -> Any:
     """Run the step of the trainer's current stage (fit: ``training_step``, ...) on the first batch, ``self.log``
-    muted; with ``microbatches`` > 1 on the first microbatch of it (the pipeline's unit of work)."""
+    muted; with ``microbatches`` > 1 on the first microbatch of it (the pipeline's unit of work). Returns the
+    step's output (the measured split differentiates its loss)."""
     module = trainer.lightning_module
     loop_name, step_name = _STEPS[trainer.state.fn]
     batch = _first_batch(first_loader(getattr(trainer, loop_name)))
@@ -45,7 +46,7 @@ def run_first_step(trainer: Trainer, device: torch.device, microbatches: int = 1
     else:
         batch = _on_device(trainer, module, batch, device)
     with muted_logs(module):
-        getattr(module, step_name)(batch, 0)
+        return getattr(module, step_name)(batch, 0)
 
 
 def first_microbatch(batch: Any, microbatches: int) -> Any:

@@ -21,12 +21,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from lightning_hybrid.checks import check_positive
+from lightning_hybrid.option_checks import (check_async_checkpoint, check_loss_parallel, checked_reduce_dtype,
+                                            checked_watchdog_timeout)
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
 from lightning_hybrid.parallel.compile import Compile, compile_arguments
 from lightning_hybrid.pipeline.schedules import PLANNED_SCHEDULES, PipelineSchedule
 from lightning_hybrid.plan.hardware import Cluster
 
 AUTO = "auto"
+#: ``pp_split`` value that balances the stages by the step's measured times (:mod:`lightning_hybrid.pipeline.measured`).
+MEASURED_SPLIT = "measured"
 Degree = Union[int, Literal["auto"]]
 #: Lightning precision flags the strategy serves (see :mod:`lightning_hybrid.parallel.precision`).
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true")
@@ -80,8 +84,11 @@ class HybridOptions:
         microbatches: Microbatches per step (each rank's batch is split into this many); default
             ``pp × virtual_stages`` (chosen with an ``"auto"`` layout). The batch size must be divisible by it.
         virtual_stages: Stages per pipeline rank: 1 for ``gpipe``/``1f1b``, default 2 for the others.
-        pp_split: Blocks per stage (``pp × virtual_stages`` numbers), overriding the balanced split.
-        activation_checkpointing: ``None`` (default: none; chosen with an ``"auto"`` layout), ``"none"``, ``"every"`` block, an integer N (every N-th block) or
+        pp_split: Blocks per stage (``pp × virtual_stages`` numbers), overriding the balanced split; ``"measured"``
+            balances the stages by each block's forward + backward time, measured at setup on the first microbatch
+            (not with ``pp="auto"`` or a meta-device model; see :mod:`lightning_hybrid.pipeline.measured`).
+        activation_checkpointing: ``None`` (default: none; chosen with an ``"auto"`` layout), ``"none"``,
+            ``"every"`` block, an integer N (every N-th block) or
             ``"selective"`` (every block, keeping matmul and attention outputs); see
             :mod:`lightning_hybrid.parallel.activation_checkpointing`.
         offload: Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
@@ -135,7 +142,7 @@ class HybridOptions:
     pp_schedule: Optional[str] = None
     microbatches: Optional[int] = None
     virtual_stages: Optional[int] = None
-    pp_split: Optional[Sequence[int]] = None
+    pp_split: Union[None, Literal["measured"], Sequence[int]] = None
     activation_checkpointing: ActivationCheckpointing = None
     offload: bool = False
     verify_tp_plan: bool = True
@@ -173,13 +180,13 @@ class HybridOptions:
         self._check_auto_layout()
         if not isinstance(self.offload, bool):
             raise ValueError(f"HybridStrategy(offload={self.offload!r}) is invalid: pass True (CPU offload) or False.")
-        self._set("reduce_dtype", _checked_reduce_dtype(self.reduce_dtype))
-        self._set("watchdog_timeout", _checked_watchdog_timeout(self.watchdog_timeout))
+        self._set("reduce_dtype", checked_reduce_dtype(self.reduce_dtype))
+        self._set("watchdog_timeout", checked_watchdog_timeout(self.watchdog_timeout))
         if not isinstance(self.shard_vocab, bool):
             raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
                              " embedding and head over the vocabulary under tp) or False (keep them whole).")
-        _check_loss_parallel(self.loss_parallel, self.tp, self.pp, self.shard_vocab)
-        _check_async_checkpoint(self.async_checkpoint, self.save_distributed_checkpoint)
+        check_loss_parallel(self.loss_parallel, self.tp, self.pp, self.shard_vocab)
+        check_async_checkpoint(self.async_checkpoint, self.save_distributed_checkpoint)
         if self.check_replicas_every_n_steps is not None:
             check_positive("HybridStrategy", "check_replicas_every_n_steps", self.check_replicas_every_n_steps,
                            also=" or None (no check)")
@@ -222,6 +229,9 @@ class HybridOptions:
         return replace(self, **{"zero": self.zero_given, "pp_schedule": self.pp_schedule_given, **changes})
 
     def _checked_pipeline(self) -> Optional[PipelineSchedule]:
+        if not (self.pp_split is None or self.pp_split == MEASURED_SPLIT or isinstance(self.pp_split, (list, tuple))):
+            raise ValueError(f"HybridStrategy(pp_split={self.pp_split!r}) is invalid: pass the blocks of each stage"
+                             f" (e.g. [3, 5]), '{MEASURED_SPLIT}' (balanced by measured time) or None (by FLOPs).")
         if self.pp == AUTO:
             _check_pipeline_may_be_chosen(self.pp_split, self.save_distributed_checkpoint)
             return None
@@ -298,65 +308,16 @@ _CONSOLIDATED_WITH_PIPELINE = (
 )
 
 
-def _check_pipeline_may_be_chosen(pp_split: Optional[Sequence[int]], save_distributed_checkpoint: bool) -> None:
+def _check_pipeline_may_be_chosen(pp_split: object, save_distributed_checkpoint: bool) -> None:
+    if pp_split == MEASURED_SPLIT:
+        raise ValueError("HybridStrategy(pp='auto', pp_split='measured') is not supported: the automatic layout plans"
+                         " its stages with its cost model. Pass pp=N with pp_split='measured', or leave pp_split out.")
     if pp_split is not None:
         raise ValueError("HybridStrategy(pp='auto', pp_split=...): a split fixes the number of stages; pass pp=N with"
                          " it, or leave pp_split out and let the strategy balance the stages.")
     if not save_distributed_checkpoint:
         raise ValueError(_CONSOLIDATED_WITH_PIPELINE.replace("pp > 1", "pp='auto'", 1)
                          + " (pp='auto' may choose a pipeline.)")
-
-
-def _check_loss_parallel(loss_parallel: object, tp: Degree, pp: Degree, shard_vocab: bool) -> None:
-    """Refuse ``loss_parallel=True`` where no head can be sharded over the vocabulary (with ``tp="auto"`` that is
-    known at setup: :func:`lightning_hybrid.parallel.loss_parallel.require_sharded_head`)."""
-    if not isinstance(loss_parallel, bool):
-        raise ValueError(f"HybridStrategy(loss_parallel={loss_parallel!r}) is invalid: pass True (the loss computed"
-                         " from logits sharded over the vocabulary) or False (logits gathered, the default).")
-    if not loss_parallel:
-        return
-    if tp == 1:
-        raise ValueError("HybridStrategy(loss_parallel=True) computes the loss from logits sharded over the"
-                         " tensor-parallel ranks, but tp=1 shards nothing: pass tp=N (N > 1) or drop loss_parallel.")
-    if not shard_vocab:
-        raise ValueError("HybridStrategy(loss_parallel=True, shard_vocab=False): with shard_vocab=False the head stays"
-                         " whole, so its logits are not sharded over the vocabulary. Pass shard_vocab=True or drop"
-                         " loss_parallel.")
-    if pp != 1:
-        # Under a pipeline the loss is computed on the last stage inside torch's schedule, where this strategy's
-        # step context does not reach, and its output is sent between ranks as a plain tensor.
-        raise ValueError(f"HybridStrategy(loss_parallel=True, pp={pp!r}) is not supported: with a pipeline the loss"
-                         " is computed on the last stage inside the pipeline schedule. Drop loss_parallel (the"
-                         " logits are then gathered) or use pp=1.")
-
-
-def _check_async_checkpoint(async_checkpoint: object, save_distributed_checkpoint: bool) -> None:
-    if not isinstance(async_checkpoint, bool):
-        raise ValueError(f"HybridStrategy(async_checkpoint={async_checkpoint!r}) is invalid: pass True (write"
-                         " checkpoints in the background) or False.")
-    if async_checkpoint and not save_distributed_checkpoint:
-        raise ValueError("HybridStrategy(async_checkpoint=True, save_distributed_checkpoint=False): asynchronous saves"
-                         " write one DCP shard per rank, and a consolidated file is written by rank 0 alone. Keep"
-                         " save_distributed_checkpoint=True, or pass async_checkpoint=False.")
-
-
-def _checked_reduce_dtype(value: object) -> Optional[str]:
-    names = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-    if value is None:
-        return None
-    name = str(value).removeprefix("torch.")  # torch.bfloat16 is accepted too
-    if name not in names:
-        raise ValueError(f"HybridStrategy(reduce_dtype={value!r}) is not a gradient reduction dtype: pass 'bf16'"
-                         " (half the gradient traffic) or 'fp32' (the default).")
-    return names[name]
-
-
-def _checked_watchdog_timeout(value: object) -> Optional[float]:
-    if value is None or (value == 0 and not isinstance(value, bool)):
-        return None
-    check_positive("HybridStrategy", "watchdog_timeout", value, integer=False,
-                   also=" of seconds (default 180), or None / 0 to turn the watchdog off")
-    return float(value)  # type: ignore[arg-type]
 
 
 def default_zero_level(pipelined: bool) -> int:

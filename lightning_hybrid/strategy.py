@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 from os import PathLike
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -79,7 +79,9 @@ class HybridStrategy(ModelParallelStrategy):
         pp_split, activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights,
         compile, reduce_dtype, loss_parallel, watchdog_timeout, async_checkpoint, check_replicas_every_n_steps:
             validated at construction into :attr:`options`; each is documented at
-            :class:`~lightning_hybrid.options.HybridOptions`. ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
+            :class:`~lightning_hybrid.options.HybridOptions`. ``pp_split="measured"`` balances the pipeline stages
+            by each block's forward + backward time measured at setup instead of traced FLOPs (logged, and kept
+            in ``strategy.pipeline.measured_split``). ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
             ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
             (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
             module that parallelizes itself they mean what they mean to ``ModelParallelStrategy``.
@@ -99,7 +101,7 @@ class HybridStrategy(ModelParallelStrategy):
         dp: Degree = "auto", tp: Degree = 1, pp: Degree = 1, dp_replicate: int = 1, zero: Optional[int] = None,
         tp_plan: Optional[Mapping[str, PlanEntry]] = None, shard_vocab: bool = True, blocks: Optional[str] = None,
         pp_schedule: Optional[str] = None, microbatches: Optional[int] = None, virtual_stages: Optional[int] = None,
-        pp_split: Optional[Sequence[int]] = None,
+        pp_split: Union[None, Literal["measured"], Sequence[int]] = None,
         activation_checkpointing: ActivationCheckpointing = None,
         offload: bool = False,
         verify_tp_plan: bool = True,

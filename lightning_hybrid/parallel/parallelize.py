@@ -31,7 +31,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -148,14 +148,16 @@ def find_blocks(module: nn.Module, options: HybridOptions) -> BlockList:
 
 def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: BlockList, schedule: PipelineSchedule,
                          mesh: DeviceMesh, device: torch.device, run_step: Callable[..., Any],
-                         pp_split: Optional[Sequence[int]], compute_dtype: Optional[torch.dtype]) -> Pipeline:
-    """Cut the blocks into the schedule's stages (tracing one microbatch of the step); this rank's stages are
-    installed with FSDP2 in step 5."""
+                         pp_split: Union[None, str, Sequence[int]], compute_dtype: Optional[torch.dtype]) -> Pipeline:
+    """Cut the blocks into the schedule's stages (tracing one microbatch of the step; timing it too with
+    ``pp_split="measured"``); this rank's stages are installed with FSDP2 in step 5."""
     microbatch_step = lambda: run_step(microbatches=schedule.microbatches)  # noqa: E731
     pipeline = build_pipeline(module, blocks_path, blocks, schedule, mesh, device, microbatch_step, pp_split,
                               compute_dtype)
     rank_zero_info(f"HybridStrategy: pipeline {schedule.name} over {schedule.num_stages} stages, blocks per stage"
                    f" {pipeline.split.blocks_per_stage}, {schedule.microbatches} microbatches")
+    if pipeline.measured_split is not None:
+        rank_zero_info(f"HybridStrategy: {pipeline.measured_split.describe()}")
     return pipeline
 
 

@@ -26,7 +26,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ from lightning_hybrid.metrics import (
     recording_metric_calls,
     replay_metric_calls,
 )
+from lightning_hybrid.pipeline.measured import MeasuredSplit, resolve_split
 from lightning_hybrid.pipeline.shared import SharedParameter, combine_gradients, counted_elsewhere, shared_parameters
 from lightning_hybrid.pipeline.split import StageSplit, plan_split
 from lightning_hybrid.pipeline.trace import trace_step
@@ -82,19 +83,21 @@ NEEDS_AUTOMATIC_OPTIMIZATION = (
 
 def build_pipeline(module: Any, blocks_path: str, blocks: BlockList, schedule: PipelineSchedule,
                    mesh: DeviceMesh, device: torch.device, run_step: Callable[[], Any],
-                   pp_split: Optional[Sequence[int]] = None,
+                   pp_split: Union[None, str, Sequence[int]] = None,
                    compute_dtype: Optional[torch.dtype] = None) -> "Pipeline":
     """Trace one step (``run_step``, on one microbatch: the stand-ins answer from what it records), split it into
-    the schedule's stages (``pp_split`` blocks per stage, else balanced by FLOPs) and keep meta-device copies of
-    every unit, taken before any other parallelism changes the units. ``mesh`` is the whole device mesh."""
+    the schedule's stages (``pp_split`` blocks per stage; ``"measured"``: by the times of ``run_step``'s forward and
+    backward, :mod:`lightning_hybrid.pipeline.measured`; else by FLOPs) and keep meta-device copies of every unit,
+    taken before any other parallelism changes the units. ``mesh`` is the whole device mesh."""
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(f"HybridStrategy(pp > 1): {NEEDS_AUTOMATIC_OPTIMIZATION}. Set"
                          " self.automatic_optimization = True or use pp=1.")
     trace = trace_step(module, blocks, run_step)
+    pp_split, measured = resolve_split(pp_split, module, blocks, blocks_path, trace, schedule, run_step, device)
     split = plan_split(module, blocks_path, blocks, trace, schedule.num_stages, pp_split)
     shadows = make_shadows(module, split, compute_dtype)
     dispatcher = UnitDispatcher(split, shadows, trace.outputs, device, compute_dtype)
-    return Pipeline(module, split, schedule, mesh, device, dispatcher)
+    return Pipeline(module, split, schedule, mesh, device, dispatcher, measured)
 
 
 class _StageModule(nn.Module):
@@ -118,7 +121,8 @@ class Pipeline:
     """Stages of one pipeline rank, their torch schedules, and the Lightning semantics of a pipelined step."""
 
     def __init__(self, module: Any, split: StageSplit, schedule: PipelineSchedule, mesh: DeviceMesh,
-                 device: torch.device, dispatcher: UnitDispatcher) -> None:
+                 device: torch.device, dispatcher: UnitDispatcher,
+                 measured_split: Optional[MeasuredSplit] = None) -> None:
         self.module = module
         self.split = split
         self.schedule = schedule
@@ -149,6 +153,8 @@ class Pipeline:
         self._recorder = StepRecorder(device)
         #: The last recorded training step of this rank (see :class:`StepTimeline`).
         self.last_timeline: Optional[StepTimeline] = None
+        #: With ``pp_split="measured"``: the measured costs, the split and its predicted stage times and bubble.
+        self.measured_split = measured_split
         last_stage = schedule.stage_ranks()[schedule.num_stages - 1]
         self._last_stage_rank = dist.get_global_rank(self._group, last_stage)
 

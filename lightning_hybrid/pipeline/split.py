@@ -1,12 +1,13 @@
 """Split an unmodified model into pipeline stages: what runs and what lives where, decided from one traced step.
 
 The model is cut between its repeated blocks (:func:`lightning_hybrid.parallel.blocks.find_block_list`), balanced by
-each block's traced FLOPs. Every other module that holds parameters — embeddings, final norm, head, whatever the
-user named them — goes with the stages that call it (:mod:`lightning_hybrid.pipeline.trace`): before the first
-block → the first stage, after the last block → the last stage, between blocks → every stage. A parameter lives on
-every stage that reads it, whichever module holds it: a weight tied between the embedding (first stage) and the
-head (last stage) lives on both, as do its modules; a table held by the model itself (``self.pos_embed``) lives
-where it is read. The runtime sums the gradients of a parameter held on several stages over them.
+each block's traced FLOPs (or measured time: :mod:`lightning_hybrid.pipeline.measured`). Every other module that
+holds parameters — embeddings, final norm, head, whatever the user named them — goes with the stages that call it
+(:mod:`lightning_hybrid.pipeline.trace`): before the first block → the first stage, after the last block → the last
+stage, between blocks → every stage. A parameter lives on every stage that reads it, whichever module holds it: a
+weight tied between the embedding (first stage) and the head (last stage) lives on both, as do its modules; a table
+held by the model itself (``self.pos_embed``) lives where it is read. The runtime sums the gradients of a parameter
+held on several stages over them.
 
 Example::
 
@@ -73,17 +74,11 @@ def plan_split(
 ) -> StageSplit:
     """Assign blocks (balanced by traced FLOPs unless ``blocks_per_stage`` is given), outer modules and the
     parameters outside the blocks to stages."""
-    num_blocks = len(blocks)
-    if num_stages > num_blocks:
-        raise ValueError(
-            f"{num_stages} pipeline stages (pp × virtual_stages) need at least {num_stages} blocks, but"
-            f" '{blocks_path}' has {num_blocks}. Lower pp or virtual_stages, or point HybridStrategy(blocks=...)"
-            " at a longer block list."
-        )
+    check_enough_blocks(blocks_path, len(blocks), num_stages)
     if blocks_per_stage is None:
-        counts = balanced_split(_block_costs(blocks, trace), num_stages, trace.flops_before, trace.flops_after)
+        counts = flop_balanced_split(blocks, trace, num_stages)
     else:
-        counts = _checked_split(blocks_per_stage, num_stages, num_blocks)
+        counts = _checked_split(blocks_per_stage, num_stages, len(blocks))
     split = StageSplit(num_stages=num_stages, blocks_per_stage=counts)
     for stage in range(num_stages):
         split.units += [Unit(blocks.name(i), i, (stage,), (stage,)) for i in split.block_range(stage)]
@@ -105,6 +100,21 @@ def _stages(phases: Iterable[str], num_stages: int) -> tuple[int, ...]:
     for phase in phases:
         stages |= {BEFORE: {0}, AFTER: {num_stages - 1}, TRUNK: set(range(num_stages))}[phase]
     return tuple(sorted(stages))
+
+
+def check_enough_blocks(blocks_path: str, num_blocks: int, num_stages: int) -> None:
+    """Refuse more stages than blocks: every stage runs at least one block."""
+    if num_stages > num_blocks:
+        raise ValueError(
+            f"{num_stages} pipeline stages (pp × virtual_stages) need at least {num_stages} blocks, but"
+            f" '{blocks_path}' has {num_blocks}. Lower pp or virtual_stages, or point HybridStrategy(blocks=...)"
+            " at a longer block list."
+        )
+
+
+def flop_balanced_split(blocks: BlockList, trace: StepTrace, num_stages: int) -> list[int]:
+    """Blocks per stage balanced by the traced FLOPs (the default split)."""
+    return balanced_split(_block_costs(blocks, trace), num_stages, trace.flops_before, trace.flops_after)
 
 
 def _block_costs(blocks: BlockList, trace: StepTrace) -> list[float]:
