@@ -45,6 +45,7 @@ if str(REPO_ROOT) not in sys.path:  # ``recipes.*`` importable when run as a scr
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -148,6 +149,11 @@ class InstructionData(LightningDataModule):
         return DataLoader(self.val_pairs, batch_size=self.batch_size, collate_fn=self.collate)
 
 
+def checkpoint_folder(out: Path) -> str:
+    """The periodic checkpoints' folder, shared by every attempt of the job."""
+    return str(Path(out) / "checkpoints")
+
+
 def pretrained_folder(pretrained: Optional[str], out: Path) -> str:
     """The checkpoint fine-tuning starts from: ``pretrained``, or the tiny one created under ``out``."""
     return pretrained or str(Path(out) / "pretrained")
@@ -249,6 +255,10 @@ class FineTuneCLI(LightningCLI):
             parser.link_arguments(("pretrained", "out"), target, compute_fn=pretrained_folder)
         parser.link_arguments("out", "trainer.logger.init_args.save_dir")
         parser.link_arguments("seed_everything", "data.seed")
+        # Periodic checkpoints in <out>/checkpoints (configured under `checkpoint:`), where a restarted job's
+        # `ckpt_path: last` resumes: a launcher's restart continues the fine-tuning instead of starting it again.
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.link_arguments("out", "checkpoint.dirpath", compute_fn=checkpoint_folder)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]

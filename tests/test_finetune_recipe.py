@@ -118,11 +118,11 @@ def run_without_training(args: list[str], out: Path, monkeypatch: pytest.MonkeyP
     evaluates."""
     from lightning_hybrid.checkpoint import hf_export
 
-    calls: dict[str, list[Any]] = {"save": [], "export": [], "evaluate": []}
+    calls: dict[str, list[Any]] = {"save": [], "export": [], "evaluate": [], "fit": []}
 
     @functools.wraps(Trainer.fit)  # LightningCLI reads fit's options from its signature
     def no_fit(trainer: Trainer, **kwargs: Any) -> None:
-        pass
+        calls["fit"].append((trainer.checkpoint_callbacks, kwargs["ckpt_path"]))
 
     def export(checkpoint: Path, output: Path, replace: bool) -> Path:
         calls["export"].append((checkpoint, output, replace))
@@ -146,6 +146,19 @@ def test_after_fit_exports_and_evaluates_by_default(tmp_path: Path, monkeypatch:
     assert [(folder, kernel) for folder, _, kernel in calls["evaluate"]] == [
         (tmp_path / "pretrained", "sdpa"), (tmp_path / "hf", "sdpa")]
     assert "fine-tuned:  val loss 1.000" in capsys.readouterr().out
+
+
+def test_periodic_checkpoints_go_to_the_out_folder_where_a_restarted_job_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = run_without_training(["--evaluate", "false", "--checkpoint.every_n_train_steps", "7"], tmp_path,
+                                 monkeypatch)
+    ((callbacks, ckpt_path),) = calls["fit"]
+    assert ckpt_path == "last"  # a first attempt finds none and starts from the pretrained weights
+    ((checkpoint,),) = [callbacks]
+    assert (Path(checkpoint.dirpath), checkpoint.save_last, checkpoint.save_top_k) == (tmp_path / "checkpoints",
+                                                                                       True, 2)
+    assert "'every_n_train_steps': 7" in checkpoint.state_key  # the public view of its cadence
 
 
 @pytest.mark.parametrize(("args", "exports"), [(["--evaluate", "false"], 1),
