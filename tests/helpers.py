@@ -37,6 +37,14 @@ SCRIPT = REPO_ROOT / "tests" / "equivalence.py"
 #: rank was a fresh interpreter importing torch and Lightning; the margin covers slow CI machines.
 DEFAULT_TIMEOUT_S = 300.0
 _TAIL_CHARS = 6000
+#: Arguments of ``equivalence.py`` for a shorter run that keeps what the default 6 steps over 64 samples check:
+#: 4 optimizer steps over 48 samples are epoch 0 (3 steps: the warm-up's learning rates and the first constant one),
+#: its validation, and a step of epoch 1 (the sampler reshuffled by ``set_epoch``): 8 micro-batches instead of 12.
+#: Multi-rank runs of these tiny models are bound by their steps (a 4-rank tp2 × pp2 micro-batch takes about a
+#: second of the 2 cores), so a sweep takes about a third less. Not fewer: after 3 steps GPT-2's attention output
+#: bias had moved too little from zero to stand above rounding (1.3e-5 relative under tp2, the worst of the zoo's
+#: layouts 3e-6 after 4 or 6 steps). Both sides of a comparison must use it.
+SHORT_RUN: list[str | int] = ["--steps", 4, "--num-samples", 48]
 
 
 class ScriptError(RuntimeError):
