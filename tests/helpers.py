@@ -44,7 +44,8 @@ _TAIL_CHARS = 6000
 #: second of the 2 cores), so a sweep takes about a third less. Not fewer: after 3 steps GPT-2's attention output
 #: bias had moved too little from zero to stand above rounding (1.3e-5 relative under tp2, the worst of the zoo's
 #: layouts 3e-6 after 4 or 6 steps). Both sides of a comparison must use it.
-SHORT_RUN: list[str | int] = ["--steps", 4, "--num-samples", 48]
+SHORT_STEPS = 4
+SHORT_RUN: list[str | int] = ["--steps", SHORT_STEPS, "--num-samples", 48]
 
 
 class ScriptError(RuntimeError):
