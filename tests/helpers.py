@@ -196,6 +196,21 @@ def start_ranks(args: list[str], out: Path, script: Path = SCRIPT,
     return procs, logs
 
 
+def run_package_command(args: Sequence[str | os.PathLike[str]],
+                        timeout_s: float = 180.0) -> subprocess.CompletedProcess:
+    """``python -m lightning_hybrid ARGS`` (the package's command line) in the repository root, forked from the
+    preloaded server like the ranks are (a fresh interpreter spends ~6 s of CPU on its imports before it parses an
+    argument); returns its exit status, stdout and stderr as ``subprocess.run(capture_output=True)`` does."""
+    command = [sys.executable, "-m", "lightning_hybrid", *map(str, args)]
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        process = start_script(command, launch_env(), REPO_ROOT, out, err)
+        if not wait_or_kill([process], timeout_s):
+            tail = err.read_text()[-_TAIL_CHARS:]
+            raise ScriptError(f"timed out after {timeout_s:.0f}s: {' '.join(command)}\n{tail}")
+        return subprocess.CompletedProcess(command, process.returncode, out.read_text(), err.read_text())
+
+
 def torchrun_command(args: Sequence[str | int | os.PathLike[str]], nnodes: int, node_rank: int, nproc_per_node: int,
                      rdzv_endpoint: str, max_restarts: int = 0) -> list[str]:
     """``python -m torch.distributed.run`` over ``tests/equivalence.py args`` for node ``node_rank`` of ``nnodes``,
