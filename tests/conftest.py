@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from tests.helpers import cached_runs, run_script, run_sweep
+from tests.helpers import SHORT_RUN, cached_runs, run_script, run_sweep
 
 ReferenceFn = Callable[..., dict[str, Any]]
 
@@ -42,17 +42,19 @@ def one_process_fit() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> ReferenceFn:
-    """``reference_run(model, dp_size, layers=None, init="eager")``: the cached result of ``equivalence.py
-    --reference`` (``layers`` overrides the model's number of blocks; ``init`` is ``--init``, ``"per_module"`` being
-    the single-device counterpart of a meta-device model)."""
-    cache: dict[tuple[str, int, int | None, str], dict[str, Any]] = {}
+    """``reference_run(model, dp_size, layers=None, init="eager", short=False)``: the cached result of
+    ``equivalence.py --reference`` (``layers`` overrides the model's number of blocks; ``init`` is ``--init``,
+    ``"per_module"`` being the single-device counterpart of a meta-device model; ``short``: the harness's short run,
+    ``SHORT_RUN``)."""
+    cache: dict[tuple[str, int, int | None, str, bool], dict[str, Any]] = {}
     directory = tmp_path_factory.mktemp("reference")
 
-    def get(model: str, dp_size: int, layers: int | None = None, init: str = "eager") -> dict[str, Any]:
-        key = (model, dp_size, layers, init)
+    def get(model: str, dp_size: int, layers: int | None = None, init: str = "eager",
+            short: bool = False) -> dict[str, Any]:
+        key = (model, dp_size, layers, init, short)
         if key not in cache:
-            out = directory / f"{model}_dp{dp_size}_layers{layers}_{init}.pt"
-            extra = ["--init", init] + ([] if layers is None else ["--layers", layers])
+            out = directory / f"{model}_dp{dp_size}_layers{layers}_{init}{'_short' if short else ''}.pt"
+            extra = ["--init", init] + ([] if layers is None else ["--layers", layers]) + (SHORT_RUN if short else [])
             cache[key] = run_script(
                 ["--model", model, "--reference", "--dp", dp_size, "--devices", 1, *extra, "--out", out]
             )
@@ -85,11 +87,14 @@ META_INIT_LAYERS = 4
 @pytest.fixture(scope="session")
 def meta_init_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[str, Any]]]:
     """``meta_init_runs(layout)``: one result per entry of ``META_INIT_LAYOUTS[layout]``, all trained in one launch
-    (shared by the initialization, activation-checkpointing and offload tests)."""
+    (shared by the initialization, activation-checkpointing and offload tests). The short run (``SHORT_RUN``, its
+    references ``reference_run(..., short=True)``): the tp2 × pp2 launch's interleaved pipeline is bound by its
+    steps."""
     def run(layout: str, folder: Path) -> list[dict[str, Any]]:
         args, entries = META_INIT_LAYOUTS[layout]
         return run_sweep(
-            ["--model", "gpt", "--init", "meta", "--layers", META_INIT_LAYERS, *args, "--out", folder / "run.pt"],
+            ["--model", "gpt", "--init", "meta", "--layers", META_INIT_LAYERS, *args, *SHORT_RUN,
+             "--out", folder / "run.pt"],
             entries,
         )
 

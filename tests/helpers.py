@@ -37,6 +37,15 @@ SCRIPT = REPO_ROOT / "tests" / "equivalence.py"
 #: rank was a fresh interpreter importing torch and Lightning; the margin covers slow CI machines.
 DEFAULT_TIMEOUT_S = 300.0
 _TAIL_CHARS = 6000
+#: Arguments of ``equivalence.py`` for a shorter run that keeps what the default 6 steps over 64 samples check:
+#: 4 optimizer steps over 48 samples are epoch 0 (3 steps: the warm-up's learning rates and the first constant one),
+#: its validation, and a step of epoch 1 (the sampler reshuffled by ``set_epoch``): 8 micro-batches instead of 12.
+#: Multi-rank runs of these tiny models are bound by their steps (a 4-rank tp2 × pp2 micro-batch takes about a
+#: second of the 2 cores), so a sweep takes about a third less. Not fewer: after 3 steps GPT-2's attention output
+#: bias had moved too little from zero to stand above rounding (1.3e-5 relative under tp2, the worst of the zoo's
+#: layouts 3e-6 after 4 or 6 steps). Both sides of a comparison must use it.
+SHORT_STEPS = 4
+SHORT_RUN: list[str | int] = ["--steps", SHORT_STEPS, "--num-samples", 48]
 
 
 class ScriptError(RuntimeError):
@@ -185,6 +194,21 @@ def start_ranks(args: list[str], out: Path, script: Path = SCRIPT,
             rank_env.update(rank_environment(rank, devices, num_nodes, port, launcher))
         procs.append(start_script(command, rank_env, REPO_ROOT, log))
     return procs, logs
+
+
+def run_package_command(args: Sequence[str | os.PathLike[str]],
+                        timeout_s: float = 180.0) -> subprocess.CompletedProcess:
+    """``python -m lightning_hybrid ARGS`` (the package's command line) in the repository root, forked from the
+    preloaded server like the ranks are (a fresh interpreter spends ~6 s of CPU on its imports before it parses an
+    argument); returns its exit status, stdout and stderr as ``subprocess.run(capture_output=True)`` does."""
+    command = [sys.executable, "-m", "lightning_hybrid", *map(str, args)]
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        process = start_script(command, launch_env(), REPO_ROOT, out, err)
+        if not wait_or_kill([process], timeout_s):
+            tail = err.read_text()[-_TAIL_CHARS:]
+            raise ScriptError(f"timed out after {timeout_s:.0f}s: {' '.join(command)}\n{tail}")
+        return subprocess.CompletedProcess(command, process.returncode, out.read_text(), err.read_text())
 
 
 def torchrun_command(args: Sequence[str | int | os.PathLike[str]], nnodes: int, node_rank: int, nproc_per_node: int,

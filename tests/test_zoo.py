@@ -1,6 +1,7 @@
 """The model zoo (``tests/zoo.py``): every family trains under every layout its sizes allow to the numbers of
 single-process Lightning. One launch per layout trains all its families (``--sweep`` entries name the model), and
-one launch per data-parallel size computes all their references."""
+one launch per data-parallel size computes all their references; every run is the harness's short one
+(``SHORT_RUN``: 4 steps over an epoch boundary)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.parallel.parallelize import find_blocks
-from tests.helpers import assert_equivalent, cached_runs, run_sweep
+from tests.helpers import SHORT_RUN, assert_equivalent, cached_runs, run_sweep
 from tests.models import build_module
 from tests.zoo import VOCAB
 
@@ -77,7 +78,8 @@ def zoo_references(tmp_path_factory: pytest.TempPathFactory):
 
     def run(dp_size: str, folder: Path) -> dict[str, dict]:
         models = list(CASES)
-        results = run_sweep(["--reference", "--dp", dp_size, "--devices", 1, "--out", folder / "reference.pt"],
+        results = run_sweep(["--reference", "--dp", dp_size, "--devices", 1, *SHORT_RUN,
+                             "--out", folder / "reference.pt"],
                             [_entry(model) for model in models], nprocs_timeout=ZOO_LAUNCH_TIMEOUT_S)
         return dict(zip(models, results))
 
@@ -91,8 +93,9 @@ def zoo_runs(tmp_path_factory: pytest.TempPathFactory):
     def run(layout: str, folder: Path) -> dict[str, dict]:
         models = _models_under(layout)
         options = OPTION_ENTRIES.get(layout, {})
-        # All families in one launch: up to 8 ranks on 2 cores training a dozen models takes minutes.
-        results = run_sweep([*LAYOUTS[layout][0], "--out", folder / "run.pt"],
+        # All families in one launch: up to 8 ranks on 2 cores training a dozen models takes minutes, so the
+        # launch (and its references) trains the short run.
+        results = run_sweep([*LAYOUTS[layout][0], *SHORT_RUN, "--out", folder / "run.pt"],
                             [_entry(model) for model in models] + list(options.values()),
                             nprocs_timeout=ZOO_LAUNCH_TIMEOUT_S)
         return dict(zip(models + list(options), results))

@@ -5,8 +5,6 @@ Sharded layouts (tensor-parallel strided projections, pipeline stages) are expor
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning
@@ -16,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from lightning_hybrid.checkpoint.export import export_checkpoint
+from tests.helpers import run_package_command
 from tests.models import build_module
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sharded_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
@@ -47,9 +45,7 @@ def test_export_restores_the_plain_module(tmp_path: Path) -> None:
 
 def test_command_line_export_to_safetensors(tmp_path: Path) -> None:
     expected = _sharded_checkpoint(tmp_path / "sharded.ckpt")
-    command = [sys.executable, "-m", "lightning_hybrid", "export", str(tmp_path / "sharded.ckpt"),
-               str(tmp_path / "model.safetensors"), "--safetensors"]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done = run_package_command(["export", tmp_path / "sharded.ckpt", tmp_path / "model.safetensors", "--safetensors"])
     assert done.returncode == 0, done.stderr
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert tensors.keys() == expected.keys()
@@ -60,7 +56,6 @@ def test_export_of_something_else_is_refused(tmp_path: Path) -> None:
     (tmp_path / "model.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match=r"is not a sharded HybridStrategy checkpoint: expected a folder"):
         export_checkpoint(tmp_path / "model.ckpt", tmp_path / "out.ckpt")
-    done = subprocess.run([sys.executable, "-m", "lightning_hybrid", "export", str(tmp_path), str(tmp_path / "o")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done = run_package_command(["export", tmp_path, tmp_path / "o"])
     assert done.returncode == 2 and "is not a sharded HybridStrategy checkpoint" in done.stderr
     assert not (tmp_path / "o").exists()

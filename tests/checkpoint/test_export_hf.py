@@ -23,7 +23,7 @@ from lightning_hybrid.checkpoint.export import load_module_state
 from lightning_hybrid.checkpoint.hf_export import export_hugging_face
 from lightning_hybrid.checkpoint.resume import module_class_path
 from lightning_hybrid.plan.model import import_class, instantiate_on_meta
-from tests.helpers import cached_runs, run_script
+from tests.helpers import cached_runs, run_package_command, run_script
 from tests.models import LMLightningModule, build_module
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,8 +40,7 @@ def _write_checkpoint(module: LMLightningModule, folder: Path) -> None:
 
 
 def _export_command(checkpoint: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "lightning_hybrid", "export", str(checkpoint), str(out), *extra]
-    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    return run_package_command(["export", checkpoint, out, *extra])
 
 
 def _assert_loads_bit_for_bit(out: Path, checkpoint: Path, module: LMLightningModule) -> torch.nn.Module:

@@ -14,14 +14,15 @@ from torch import nn
 
 from lightning_hybrid.checkpoint import hf_load
 from lightning_hybrid.checkpoint.hf_load import load_pretrained
-from tests.helpers import ScriptError, assert_equivalent, run_script, run_sweep
+from tests.helpers import SHORT_RUN, ScriptError, assert_equivalent, run_script, run_sweep
 from tests.models import build_module
 
 #: Qwen2: a tied head (saved once), q/k/v biases; Phi-3: a fused q|k|v of unequal pieces, fused gate|up.
 MODELS = ("hf_qwen2", "hf_phi3")
-#: Layout → the harness's arguments and the data-parallel size of its reference.
-LAYOUTS = {"tp2": (["--tp", 2, "--devices", 2], 1), "pp2": (["--pp", 2, "--devices", 2], 1),
-           "dp2_tp2_pp2": (["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8], 2)}
+#: Layout → the harness's arguments and the data-parallel size of its reference. Runs and references train the
+#: short run (``SHORT_RUN``): the 8-rank pipeline's four fits are bound by their steps.
+LAYOUTS = {"tp2": (["--tp", 2, "--devices", 2, *SHORT_RUN], 1), "pp2": (["--pp", 2, "--devices", 2, *SHORT_RUN], 1),
+           "dp2_tp2_pp2": (["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8, *SHORT_RUN], 2)}
 
 
 def _save_pretrained(model: str, folder: Path) -> Path:
@@ -42,7 +43,7 @@ def references(pretrained: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     for dp_size in sorted({dp for _, dp in LAYOUTS.values()}):
         out = tmp_path_factory.mktemp(f"reference_dp{dp_size}") / "reference.pt"
         entries = [{"model": model, "module": {"pretrained": str(pretrained[model])}} for model in MODELS]
-        runs[dp_size] = run_sweep(["--reference", "--dp", dp_size, "--devices", 1, "--out", out], entries)
+        runs[dp_size] = run_sweep(["--reference", "--dp", dp_size, "--devices", 1, *SHORT_RUN, "--out", out], entries)
     return runs
 
 

@@ -14,9 +14,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
 from tests.conftest import META_INIT_LAYERS, ReferenceFn
+from tests.equivalence import ACCUMULATE_GRAD_BATCHES
+from tests.helpers import SHORT_STEPS
 from tests.models import GPTConfig, TinyGPT
 
-ACCUMULATED_MICROBATCHES = 12  # equivalence.py: 6 optimizer steps x accumulate_grad_batches 2
+#: Micro-batches of the meta-init runs (the short run): its optimizer steps × equivalence.py's accumulation.
+ACCUMULATED_MICROBATCHES = SHORT_STEPS * ACCUMULATE_GRAD_BATCHES
 
 
 @pytest.mark.parametrize(
@@ -105,7 +108,7 @@ def test_checkpointed_blocks_keep_names_and_copy() -> None:
 def test_tensor_and_data_parallel_training_recomputes_every_block(reference_run: ReferenceFn, meta_init_runs) -> None:
     """dp=2 × tp=2 with "every" and "selective": equal numbers (checked in test_initialization), and each rank's
     training ran every block's linears once more per micro-batch than the reference."""
-    reference = reference_run("gpt", 2, META_INIT_LAYERS, "per_module")
+    reference = reference_run("gpt", 2, META_INIT_LAYERS, "per_module", short=True)
     (reference_calls,) = reference["rank_linear_calls"]
     block_linears = sum(isinstance(m, nn.Linear) for m in TinyGPT(GPTConfig()).blocks[0].modules())
     for result in meta_init_runs("dp2_tp2"):

@@ -20,7 +20,7 @@ from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.pipeline.schedules import SCHEDULES, PipelineSchedule
 from lightning_hybrid.pipeline.semantics import check_batch, combine_logs
 from tests.conftest import CHECKPOINTED_LAYERS, ReferenceFn
-from tests.helpers import assert_equivalent, cached_runs, run_script, run_sweep, scalars
+from tests.helpers import SHORT_RUN, SHORT_STEPS, assert_equivalent, cached_runs, run_script, run_sweep, scalars
 from tests.models import MODEL_NAMES, PIPELINE_MODEL_NAMES
 
 RTOL = 1e-5
@@ -149,12 +149,14 @@ def _pipeline_run(tmp_path: Path, model: str, *, pp: int, layers: int = LAYERS, 
 
 @pytest.fixture(scope="module")
 def pp2_runs(tmp_path_factory: pytest.TempPathFactory):
-    """``pp2_runs(model)``: one pp=2 run per schedule, all in one launch of two processes (cached per model)."""
+    """``pp2_runs(model)``: one pp=2 run per schedule, all in one launch of two processes (cached per model), each
+    the short run (``SHORT_RUN``, the references ``reference_run(..., short=True)``): a sweep of 7-9 pipelined
+    fits is bound by their steps."""
 
     def run(model: str, folder: Path) -> dict[str, dict]:
         names = [*SCHEDULES, *(list(AUTO_ENTRIES) if model == "gpt" else [])]
         results = run_sweep(
-            ["--model", model, "--pp", 2, "--devices", 2, "--layers", LAYERS,
+            ["--model", model, "--pp", 2, "--devices", 2, "--layers", LAYERS, *SHORT_RUN,
              "--tensorboard", folder / "tb", "--out", folder / "run.pt"],
             [AUTO_ENTRIES[name] if name in AUTO_ENTRIES else _pp2_entry(model, name) for name in names],
         )
@@ -182,7 +184,7 @@ AUTO_ENTRIES = {
 
 @pytest.mark.slow
 def test_auto_layout_chooses_by_memory_and_trains_like_the_reference(reference_run: ReferenceFn, pp2_runs) -> None:
-    reference = reference_run("gpt", 1, LAYERS)
+    reference = reference_run("gpt", 1, LAYERS, short=True)
     chosen = pp2_runs("gpt")["auto"]
     assert chosen["auto_layout"] == "dp1 tp1 pp2 acc2 1f1b m8 z2"
     # The microbatches were the planner's: 8 of the rank's 8 sequences (bubble 1/9 instead of 1/3 at the default 2).
@@ -206,7 +208,7 @@ def _pp2_entry(model: str, schedule: str) -> dict:
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_pp2_every_schedule_matches_reference(model: str, schedule: str, reference_run: ReferenceFn, pp2_runs) -> None:
-    reference = reference_run(model, 1, LAYERS)
+    reference = reference_run(model, 1, LAYERS, short=True)
     result = pp2_runs(model)[schedule]
     assert result["sweep_entry"] == _pp2_entry(model, schedule)
     assert_equivalent(reference, result, rtol=RTOL)
@@ -246,7 +248,7 @@ def _assert_rank0_tensorboard_matches(folder: Path, reference: dict) -> None:
     logged = [event.value for event in events.Scalars("train_loss")]
     # Lightning writes on_step values once per optimizer step: the last of its 2 accumulated micro-batches.
     expected = reference["losses"][1::2]
-    assert len(logged) == len(expected) == 6
+    assert len(logged) == len(expected) == SHORT_STEPS
     assert logged == pytest.approx(expected, rel=RTOL)
     assert [event.value for event in events.Scalars("tokens")] == reference["tokens"][1::2]
 
@@ -294,12 +296,13 @@ def test_pp4_matches_reference(model: str, schedule: str, layers: int, microbatc
 def test_dp2_tp2_pp2_on_8_ranks_matches_reference(
     model: str, reference_run: ReferenceFn, uninterrupted, tmp_path: Path
 ) -> None:
-    reference = reference_run(model, 2, LAYERS)
-    if model == "gpt":  # shared with the checkpoint tests (saving a checkpoint changes no number)
+    if model == "gpt":  # shared with the checkpoint tests (saving a checkpoint changes no number): 6 steps
         assert CHECKPOINTED_LAYERS == LAYERS
+        reference = reference_run(model, 2, LAYERS)
         result, _ = uninterrupted("dp2_tp2_pp2")
-    else:
-        result = _pipeline_run(tmp_path, model, pp=2, devices=8, extra=("--dp", 2, "--tp", 2))
+    else:  # the short run: 8 ranks on 2 cores are bound by the steps
+        reference = reference_run(model, 2, LAYERS, short=True)
+        result = _pipeline_run(tmp_path, model, pp=2, devices=8, extra=("--dp", 2, "--tp", 2, *SHORT_RUN))
     assert result["world_size"] == 8
     assert_equivalent(reference, result, rtol=RTOL)
 
