@@ -129,7 +129,8 @@ def test_measured_times_put_each_forward_and_backward_where_it_ran() -> None:
     rng, running_mean = torch.get_rng_state(), model.norm.running_mean.clone()
     times = measure_step(model, blocks, lambda: model(inputs), torch.device("cpu"), repeats=3)
     expected = [forward + backward for forward, backward in blocks_s]
-    slack = 6 * MS  # hooks, tiny kernels and a busy machine only add
+    slack = 15 * MS  # hooks, tiny kernels and a busy machine only add (a full suite beside it: 8 ms seen); the
+    # smallest misplacement the bound must catch is a whole 20 ms block counted twice or in the wrong place
     for measured, wanted in zip(times.blocks, expected):
         assert wanted <= measured < wanted + slack
     assert 12 * MS <= times.before < 12 * MS + slack  # the embedding's 4 + 8 ms
