@@ -230,11 +230,78 @@ def summary_depth(callback: Any) -> int:
     return callback._max_depth
 
 
-def first_loader(loop: Any) -> Any:
-    """The dataloader(s) a Lightning loop will iterate, before the loop has set them up (the strategy looks at the
-    first batch during setup). Only the loop's private data source knows where they come from (the module, a
-    DataModule, or the loaders passed to ``fit``)."""
-    return loop._data_source.dataloader()
+def request_dataloaders(loop: Any) -> Any:
+    """The dataloader(s) a Lightning loop is about to set up, requested as the loop requests them: its hook called
+    once, under Lightning's capture of each ``DataLoader``'s arguments (its sampler injection re-instantiates the
+    loader from them). Only the loop's private data source knows where they come from (the module, a DataModule, or
+    the loaders passed to ``fit``), and the capture is a private function."""
+    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+
+    return _request_dataloader(loop._data_source)
+
+
+def hand_dataloaders_to_loop(loop: Any, loaders: Any) -> None:
+    """Make the loop's next request of its dataloaders return ``loaders`` (what :func:`request_dataloaders` got)
+    instead of calling the hook a second time; its requests after that (a reload) ask the loop's source as before.
+    The loop requests them through its private data source, which has no public setter."""
+    from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+
+    original = loop._data_source
+
+    class _HandedOnce(_DataLoaderSource):
+        def dataloader(self) -> Any:
+            loop._data_source = original
+            return self.instance
+
+    loop._data_source = _HandedOnce(loaders, original.name)
+
+
+def process_like_loop(trainer: Any, stage: Any, loader: Any) -> Any:
+    """``loader`` processed exactly as the trainer's loop of ``stage`` (a ``RunningStage``) processes it: Lightning's
+    distributed sampler injected, the strategy's ``process_dataloader``, the worker checks and seeding. Lightning
+    does this in a private function of its data connector."""
+    from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader
+
+    return _process_dataloader(trainer, trainer.state.fn, stage, loader)
+
+
+def start_iterator(loader: Any) -> Any:
+    """A new iterator of the ``DataLoader`` ``loader``, not kept by it: ``DataLoader.__iter__`` keeps a persistent
+    workers' iterator and resets it when iterated again, and only its private ``_get_iterator`` makes one."""
+    return loader._get_iterator()
+
+
+def hand_iterator_to_loader(loader: Any, iterator: Any, first: Any, still_first: Any) -> None:
+    """Make the ``DataLoader`` ``loader``'s next iteration continue ``iterator`` (from :func:`start_iterator`),
+    yielding ``first`` (already taken from it) first, if ``still_first()`` says so then; else it makes a new
+    iterator as usual. A loader makes its iterators (persistent workers' too) in its private ``_get_iterator``,
+    which an instance attribute overrides once; the iterator's class is swapped for one ``__next__``, so everything
+    else Lightning reads of it (workers, counts) is the iterator's own."""
+    def handed_once() -> Any:
+        del loader._get_iterator  # the class's method again
+        if not still_first():
+            return loader._get_iterator()
+        iterator.__class__ = _first_yielding(type(iterator))
+        iterator._hybrid_first_batch = first
+        return iterator
+
+    loader._get_iterator = handed_once
+
+
+_FIRST_YIELDING: dict[type, type] = {}
+
+
+def _first_yielding(base: type) -> type:
+    """A subclass of the iterator class ``base`` whose next ``__next__`` returns the stored first batch and turns
+    the iterator back into a ``base``."""
+    if base not in _FIRST_YIELDING:
+        def __next__(self: Any) -> Any:
+            first = self.__dict__.pop("_hybrid_first_batch")
+            self.__class__ = base
+            return first
+
+        _FIRST_YIELDING[base] = type(f"FirstYielding{base.__name__}", (base,), {"__next__": __next__})
+    return _FIRST_YIELDING[base]
 
 
 def set_sampler_epoch(loader: Any, epoch: int) -> None:

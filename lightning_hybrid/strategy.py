@@ -34,7 +34,7 @@ from lightning_hybrid import _compat, model_parallel
 from lightning_hybrid.checkpoint import async_save, lightning_io
 from lightning_hybrid.checkpoint.data_position import make_resumable
 from lightning_hybrid.checkpoint.resume import CheckpointRecords
-from lightning_hybrid.first_step import run_first_step
+from lightning_hybrid.glue.setup_batch import SetupBatch, setup_probe
 from lightning_hybrid.mesh import ParallelDims, lightning_view
 from lightning_hybrid.metrics import sync_over
 from lightning_hybrid.observe.monitor import ParallelMonitor, add_monitor
@@ -42,7 +42,6 @@ from lightning_hybrid.observe.run_record import predict_fixed_layout, wants_pred
 from lightning_hybrid.observe.summary import use_whole_model_summary
 from lightning_hybrid.options import DEFAULT_WATCHDOG_TIMEOUT_S, Degree, HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
-from lightning_hybrid.parallel.blocks import capture_block_call
 from lightning_hybrid.parallel.loss_parallel import sharded_logits
 from lightning_hybrid.parallel.parallelize import accept_user_parallelism, find_blocks, parallelize, recording_construction
 from lightning_hybrid.parallel.precision import HybridPrecision, let_standalone_trainer_reach_precision, serving_plugin
@@ -53,6 +52,8 @@ from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.plan.auto_layout import adopt_layout, choose_for_run
 from lightning_hybrid.plan.hardware import Cluster
 from lightning_hybrid.plan.layout import Estimate
+from lightning_hybrid.probe.record import first_block_call
+from lightning_hybrid.probe.step_probe import StepProbe
 from lightning_hybrid.resilience.lost_rank import explain_lost_rank
 from lightning_hybrid.resilience.watchdog import add_watchdog
 from lightning_hybrid.resilience.replicas import add_replica_check
@@ -144,6 +145,8 @@ class HybridStrategy(ModelParallelStrategy):
         # The module this strategy parallelized: a later trainer.test()/predict() of it reuses it as fit left it.
         self._parallelized: Optional[torch.nn.Module] = None
         self._root_router = RootStepRouter()
+        # The setup probe's batch, until the loop has taken over its loader (see process_dataloader).
+        self._setup_batch: Optional[SetupBatch] = None
 
     @property
     def pp_schedule(self) -> Optional[PipelineSchedule]:
@@ -189,6 +192,8 @@ class HybridStrategy(ModelParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        if self._setup_batch is not None:  # the loader whose first batch the setup probe took, continued
+            dataloader = self._setup_batch.substitute(dataloader)
         return make_resumable(dataloader)  # its position saved as global samples consumed: mid-epoch resume
 
     @property
@@ -241,30 +246,32 @@ class HybridStrategy(ModelParallelStrategy):
         if not any(p.is_meta for p in module.parameters()):
             module.to(self.root_device)
         blocks = find_blocks(module, self.options)
-        block_call = self._choose_layout(trainer, module, blocks.path, blocks) if self.options.chooses_layout else None
-        if block_call is None and wants_prediction(trainer):  # the fixed layout's estimate, for the monitor's plan/...
-            block_call, self.layout_estimate, self.layout_note = predict_fixed_layout(trainer, self, module, blocks)
+        # The user's step on the first batch, recorded once for everything below that plans from it.
+        self._setup_batch = SetupBatch(trainer)
+        probe = setup_probe(trainer, self._setup_batch, module, blocks, self.root_device)
+        if self.options.chooses_layout:
+            self._choose_layout(trainer, module, blocks, probe)
+        elif wants_prediction(trainer):  # the fixed layout's estimate, for the monitor's plan/...
+            self.layout_estimate, self.layout_note = predict_fixed_layout(trainer, self, module, blocks, probe)
         result = parallelize(module, blocks.path, blocks, self.device_mesh, self.dims, self.options,
-                             data_mesh=self.data_mesh, precision=str(self.precision_plugin.precision), device=self.root_device,
-                             run_step=lambda microbatches=1: run_first_step(trainer, self.root_device, microbatches),
-                             block_call=block_call)
+                             data_mesh=self.data_mesh, precision=str(self.precision_plugin.precision),
+                             device=self.root_device, probe=probe)
         self.pipeline, self.tp_plan_applied = result.pipeline, result.tp_plan
         if self.pipeline is not None:
             self.precision_plugin.pipeline = self.pipeline  # type: ignore[attr-defined]
 
-    def _choose_layout(self, trainer: Trainer, module: Any, blocks_path: str, blocks: Any) -> tuple[tuple, dict]:
-        """Choose the layout for tp/pp="auto" (see :mod:`lightning_hybrid.plan.auto_layout`), adopt its degrees and
-        the options it chose, and build its mesh. Returns the first block's captured call, which tensor parallelism reuses."""
-        block_call = capture_block_call(blocks[0], lambda: run_first_step(trainer, self.root_device))
+    def _choose_layout(self, trainer: Trainer, module: Any, blocks: Any, probe: StepProbe) -> None:
+        """Choose the layout for tp/pp="auto" (see :mod:`lightning_hybrid.plan.auto_layout`) from the probe's first
+        block call, adopt its degrees and the options it chose, and build its mesh."""
         self.layout_estimate, self.layout_note = choose_for_run(
-            module, blocks_path, block_call, self.options, device=self.root_device, nodes=self.num_nodes,
+            module, blocks.path, first_block_call(probe.record()), self.options, device=self.root_device,
+            nodes=self.num_nodes,
             devices_per_node=self.num_processes, precision=str(self.precision_plugin.precision),
             accumulation=trainer.accumulate_grad_batches)
         rank_zero_info(f"HybridStrategy(tp={self.options.tp!r}, pp={self.options.pp!r}) {self.layout_note}")
         self.options = adopt_layout(self.options, self.layout_estimate.layout)
         self.dims = ParallelDims(world_size=self.world_size, **self.options.degrees)
         self._build_mesh()
-        return block_call
 
     @override
     def model_to_device(self) -> None:

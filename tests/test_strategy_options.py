@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 from lightning_hybrid import HybridStrategy, ParallelDims
-from lightning_hybrid.parallel.blocks import find_block_list
+from lightning_hybrid.probe.blocks import find_block_list
 from lightning_hybrid.parallel.precision import clip_grad_norm_, precision_plugin_for
 from tests.models import build_module
 

@@ -214,13 +214,14 @@ def test_the_readme_table_is_the_zoo() -> None:
 def test_unsupported_combinations_stop_with_a_message_naming_the_module(model: str, layout: str) -> None:
     import torch
 
-    from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+    from lightning_hybrid.probe.blocks import find_block_list
+    from lightning_hybrid.probe.record import record_step
     from lightning_hybrid.parallel.dataflow import trace_block
     from lightning_hybrid.parallel.tp_plan import plan_block
 
     module = build_module(model)
     _, blocks = find_block_list(module)
     tokens = torch.randint(0, 64, (2, 16))
-    args, kwargs = capture_block_call(blocks[0], lambda: module(tokens))
+    args, kwargs = record_step(module, blocks, lambda: module(tokens)).block_calls[0]
     with pytest.raises(ValueError, match=REFUSED[(model, layout)][1]):
         plan_block(blocks[0], trace_block(blocks[0], args, kwargs), 2)

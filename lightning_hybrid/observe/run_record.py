@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_hybrid.first_step import run_first_step
 from lightning_hybrid.observe.profiling import TraceWindow
 from lightning_hybrid.observe.summary import WholeModelSummary, describe_shares, summarize_whole_model
-from lightning_hybrid.parallel.blocks import capture_block_call
+from lightning_hybrid.probe.record import first_block_call
+from lightning_hybrid.probe.step_probe import StepProbe
 from lightning_hybrid.plan.auto_layout import estimate_for_run
 from lightning_hybrid.plan.hardware import GIB
 from lightning_hybrid.plan.layout import Estimate
@@ -54,27 +53,25 @@ def wants_prediction(trainer: pl.Trainer) -> bool:
     return trainer.state.fn == TrainerFn.FITTING and bool(trainer.loggers) and any(m.predict for m in monitors)
 
 
-def predict_fixed_layout(trainer: pl.Trainer, strategy: Any, module: Any,
-                         blocks: Any) -> tuple[Optional[tuple], Optional[Estimate], str]:
-    """The first block's captured call (for tensor parallelism to reuse), the planner's estimate of the strategy's
-    fixed layout, and a line saying where its hardware numbers came from or why there is no estimate. Every
-    process calls it, before the model is parallelized; it never raises."""
+def predict_fixed_layout(trainer: pl.Trainer, strategy: Any, module: Any, blocks: Any,
+                         probe: StepProbe) -> tuple[Optional[Estimate], str]:
+    """The planner's estimate of the strategy's fixed layout, from the setup ``probe``'s first block call, and a
+    line saying where its hardware numbers came from or why there is no estimate. Every process calls it, before
+    the model is parallelized; it never raises."""
     if len(blocks) == 0:
-        return None, None, "no prediction: the model has no block list for the planner to measure"
-    accelerator_rng = [strategy.root_device] if strategy.root_device.type == "cuda" else []
-    try:  # the user's random streams untouched (the step's dropout, a shuffling loader's seed)
-        with torch.random.fork_rng(devices=accelerator_rng):
-            block_call = capture_block_call(blocks[0], lambda: run_first_step(trainer, strategy.root_device))
+        return None, "no prediction: the model has no block list for the planner to measure"
+    try:
+        block_call = first_block_call(probe.record())
     except Exception as error:  # noqa: BLE001 - the prediction is an extra; the run must not fail on it
-        return None, None, f"no prediction: the first block's inputs were not captured ({error})"
+        return None, f"no prediction: the first block's inputs were not captured ({error})"
     try:
         estimate, hardware = estimate_for_run(
             module, blocks.path, block_call, strategy.options, device=strategy.root_device, nodes=strategy.num_nodes,
             devices_per_node=strategy.num_processes, precision=str(strategy.precision_plugin.precision),
             accumulation=trainer.accumulate_grad_batches)
     except Exception as error:  # noqa: BLE001
-        return block_call, None, f"no prediction: the planner could not estimate this layout ({error})"
-    return block_call, estimate, f"Hardware: {hardware}."
+        return None, f"no prediction: the planner could not estimate this layout ({error})"
+    return estimate, f"Hardware: {hardware}."
 
 
 def prediction_scalars(estimate: Optional[Estimate]) -> dict[str, float]:

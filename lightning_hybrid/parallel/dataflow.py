@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_hybrid._compat import tree_flatten, tree_leaves
+from lightning_hybrid._compat import tree_flatten
 
 # Functions that cut a tensor's last dimension into pieces or reshape it; their outputs tell us whether a linear
 # layer's features are fused (q|k|v) and how they group into heads.
@@ -324,22 +324,3 @@ def _split_factors(before: torch.Size, after: torch.Size) -> tuple[int, ...] | N
         return None
     factors = tuple(after[lead:])
     return factors if math.prod(factors) == before[-1] else None
-
-
-class ParameterUses(TorchFunctionMode):
-    """Calls ``on_use(parameter)`` for every ``nn.Parameter`` a torch function computes a tensor from while the
-    mode is active (the pipeline split's and the vocabulary search's record of who reads which weights)."""
-
-    def __init__(self, on_use: Callable[[nn.Parameter], None]) -> None:
-        super().__init__()
-        self._on_use = on_use
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        # Only uses that compute a tensor count: reading metadata (``p.dtype``, ``p.shape``, ``p.numel()``) is not.
-        if any(isinstance(v, torch.Tensor) for v in tree_leaves(result)):
-            for value in tree_leaves((args, kwargs or {})):
-                if isinstance(value, nn.Parameter):
-                    self._on_use(value)
-        return result
-

@@ -3,12 +3,16 @@
 :func:`parallelize` runs the steps below in this order; each is a small ``apply_*`` function that takes primitives
 (a mesh, a plan, flags) and can run without a Trainer. Why the order:
 
-1. **pipeline split** first: it traces the unmodified model to see which modules run before and after the blocks,
-   and keeps meta-device copies of every unit (the stand-ins other stages need) before any later step changes
-   them; from here on this rank works on its own stages' blocks only;
+0. **the setup probe** (:class:`~lightning_hybrid.probe.step_probe.StepProbe`): the user's step, run once on the
+   unmodified model and recorded (:mod:`lightning_hybrid.probe.record`): what every block structure receives, where
+   the vocabulary is used, what runs before and after the blocks and what each block costs. Every step below reads
+   that record; only ``pp_split="measured"`` runs the step again, to time it;
+1. **pipeline split** first: it cuts the unmodified model by the record, and keeps meta-device copies of every
+   unit (the stand-ins other stages need) before any later step changes them; from here on this rank works on its
+   own stages' blocks only;
 2. **tensor parallelism**: replaces the blocks' parameters with DTensors on the tensor mesh, and the token
    embedding's and head's with shards over the vocabulary (:mod:`lightning_hybrid.parallel.tp_vocab`; which they
-   are was read from a step traced before step 1, on the unmodified model);
+   are was read from the record, of the unmodified model);
 3. **activation checkpointing**: after tensor parallelism, so the recomputed forward runs the sharded layers and
    their collectives; inside the FSDP2 units applied next, so their hooks gather parameters for the recompute;
 4. **torch.compile** per block, in place (``compile=``): after checkpointing, so the recompute is in the graph;
@@ -23,8 +27,10 @@
 Example::
 
     mesh, data_mesh = dims.build_mesh("cpu")
+    probe = StepProbe(module, blocks, run_step=lambda microbatches: module.training_step(batch, 0),
+                      device=torch.device("cpu"))
     result = parallelize(module, "model.blocks", blocks, mesh, dims, options, data_mesh=data_mesh, precision="32-true",
-                         device=torch.device("cpu"), run_step=lambda: module.training_step(batch, 0))
+                         device=torch.device("cpu"), probe=probe)
     result.tp_plan        # {"model.blocks.*.attn.qkv": "colwise (strided x3)", ...}
 """
 
@@ -45,7 +51,8 @@ from lightning_hybrid.checkpoint.hf_load import load_pretrained
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims
 from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
-from lightning_hybrid.parallel.blocks import BlockList, capture_block_call, find_block_list
+from lightning_hybrid.probe.blocks import BlockList, find_block_list
+from lightning_hybrid.probe.step_probe import StepProbe
 from lightning_hybrid.parallel.compile import compile_blocks
 from lightning_hybrid.parallel.construction import recorded_values, recording_construction  # noqa: F401 (strategy's)
 from lightning_hybrid.parallel.initialization import materialize_meta_module
@@ -55,9 +62,6 @@ from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_hybrid.parallel.tp_vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
 from lightning_hybrid.pipeline.runtime import Pipeline, build_pipeline
 from lightning_hybrid.pipeline.schedules import PipelineSchedule
-
-BlockCall = tuple[tuple, dict]
-
 
 @dataclass
 class Parallelized:
@@ -71,30 +75,27 @@ class Parallelized:
 
 def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh, dims: ParallelDims,
                 options: HybridOptions, *, data_mesh: DeviceMesh, precision: str, device: torch.device,
-                run_step: Callable[..., Any], block_call: Optional[BlockCall] = None) -> Parallelized:
+                probe: StepProbe) -> Parallelized:
     """Apply ``options``' parallelisms to ``module`` in place (see the module docstring for the order); every
-    rank calls it. ``mesh`` and ``data_mesh`` are what :meth:`~lightning_hybrid.mesh.ParallelDims.build_mesh` returns.
-    ``run_step(microbatches=1)`` runs the user's step once on the first batch, or on its first ``microbatches``-th
-    (tracing); ``block_call`` is the first block's captured call if the caller already has it."""
+    rank calls it. ``mesh`` and ``data_mesh`` are what :meth:`~lightning_hybrid.mesh.ParallelDims.build_mesh` returns;
+    ``probe`` runs the user's step on the first batch (recorded once, when a step below first needs it)."""
     result = Parallelized()
     recorded = recorded_values(module)  # names and recipes of the values built on meta, before anything changes them
     owned = list(range(len(blocks)))
     compute_dtype = mixed_precision_policy(precision).param_dtype
-    vocab = find_vocab(module, blocks, dims, options, run_step)  # on the unmodified model, before any step
+    vocab = find_vocab(module, blocks, dims, options, probe)  # on the unmodified model, before any step
     require_sharded_head(options.loss_parallel, vocab)
     # 1. pipeline split
     if dims.pp > 1:
         assert options.pipeline_schedule is not None
         result.pipeline = apply_pipeline_split(module, blocks_path, blocks, options.pipeline_schedule, mesh, device,
-                                               run_step, options.pp_split, compute_dtype)
+                                               probe, options.pp_split, compute_dtype)
         owned = result.pipeline.owned_blocks
     # 2. tensor parallelism
     if dims.tp > 1 or options.tp_plan:
-        block_call = block_call or capture_block_call(blocks[0], run_step)
-        result.tp_plan = apply_tensor_parallel(module, blocks_path, blocks, block_call, mesh[TENSOR],
+        result.tp_plan = apply_tensor_parallel(module, blocks_path, blocks, probe.record().block_calls, mesh[TENSOR],
                                                tp_plan=options.tp_plan, verify=options.verify_tp_plan,
-                                               apply_to=owned,
-                                               capture=lambda block: capture_block_call(block, run_step))
+                                               apply_to=owned)
         if vocab:
             result.tp_plan.update(shard_vocab_layers(module, vocab, mesh[TENSOR], options.loss_parallel))
         rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={dims.tp}): {result.tp_plan}")
@@ -117,12 +118,12 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
 
 
 def find_vocab(module: nn.Module, blocks: BlockList, dims: ParallelDims, options: HybridOptions,
-               run_step: Callable[..., Any]) -> Optional[VocabLayers]:
+               probe: StepProbe) -> Optional[VocabLayers]:
     """The token embedding and head to shard over the vocabulary in step 2 (``None`` with tp = 1 or
-    ``shard_vocab=False``), found by running the step once; what stays whole, and why, is logged."""
+    ``shard_vocab=False``), found from the probe's record; what stays whole, and why, is logged."""
     if dims.tp == 1 or not options.shard_vocab:
         return None
-    layers = find_vocab_layers(module, blocks, run_step, dims.tp, options.tp_plan)
+    layers = find_vocab_layers(module, blocks, probe.record(), dims.tp, options.tp_plan)
     if layers.reason:
         kept = "the head" if layers.embedding else "the embedding and the head"
         rank_zero_info(f"HybridStrategy: {kept} stay whole over tp (shard_vocab): {layers.reason}.")
@@ -130,7 +131,7 @@ def find_vocab(module: nn.Module, blocks: BlockList, dims: ParallelDims, options
 
 
 def find_blocks(module: nn.Module, options: HybridOptions) -> BlockList:
-    """The blocks the parallelisms work on (see :func:`~lightning_hybrid.parallel.blocks.find_block_list`). Data
+    """The blocks the parallelisms work on (see :func:`~lightning_hybrid.probe.blocks.find_block_list`). Data
     parallelism alone needs none: a model without a recognizable block list is then sharded as one FSDP2 unit,
     with a warning; tensor and pipeline parallelism, checkpointing, compilation and an ``"auto"`` layout need
     them."""
@@ -147,13 +148,11 @@ def find_blocks(module: nn.Module, options: HybridOptions) -> BlockList:
 
 
 def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: BlockList, schedule: PipelineSchedule,
-                         mesh: DeviceMesh, device: torch.device, run_step: Callable[..., Any],
+                         mesh: DeviceMesh, device: torch.device, probe: StepProbe,
                          pp_split: Union[None, str, Sequence[int]], compute_dtype: Optional[torch.dtype]) -> Pipeline:
-    """Cut the blocks into the schedule's stages (tracing one microbatch of the step; timing it too with
+    """Cut the blocks into the schedule's stages (by the probe's record; by timing the step on one microbatch with
     ``pp_split="measured"``); this rank's stages are installed with FSDP2 in step 5."""
-    microbatch_step = lambda: run_step(microbatches=schedule.microbatches)  # noqa: E731
-    pipeline = build_pipeline(module, blocks_path, blocks, schedule, mesh, device, microbatch_step, pp_split,
-                              compute_dtype)
+    pipeline = build_pipeline(module, blocks_path, blocks, schedule, mesh, device, probe, pp_split, compute_dtype)
     rank_zero_info(f"HybridStrategy: pipeline {schedule.name} over {schedule.num_stages} stages, blocks per stage"
                    f" {pipeline.split.blocks_per_stage}, {schedule.microbatches} microbatches")
     if pipeline.measured_split is not None:

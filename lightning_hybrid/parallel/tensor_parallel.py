@@ -7,7 +7,8 @@ plan no candidate satisfies stops setup with the layers to keep whole. :func:`ap
 
 Example::
 
-    plan = apply_tensor_parallel(module, "model.blocks", blocks, block_call, mesh["tp"], tp_plan={}, verify=True)
+    calls = probe.record().block_calls
+    plan = apply_tensor_parallel(module, "model.blocks", blocks, calls, mesh["tp"], tp_plan={}, verify=True)
     plan       # {"model.blocks.*.attn.qkv": "colwise (strided x3)", "model.blocks.*.attn.proj": "rowwise", ...}
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_hybrid._compat import tree_flatten, tree_map
-from lightning_hybrid.parallel.blocks import BlockList, block_structures
+from lightning_hybrid.probe.blocks import BlockList, block_structures
+from lightning_hybrid.probe.record import BlockCall, block_call
 from lightning_hybrid.parallel.dataflow import trace_block
 from lightning_hybrid.parallel.tp_experts import shard_experts
 from lightning_hybrid.parallel.tp_layers import select_rows, shard_column, shard_row
@@ -105,19 +107,18 @@ def apply_tensor_parallel(
     root: nn.Module,
     blocks_path: str,
     blocks: BlockList,
-    block_call: tuple[tuple, dict],
+    block_calls: Mapping[int, BlockCall],
     mesh: DeviceMesh,
     *,
     tp_plan: Mapping[str, PlanEntry],
     verify: bool,
     apply_to: Optional[Sequence[int]] = None,
-    capture: Optional[Callable[[nn.Module], tuple[tuple, dict]]] = None,
 ) -> dict[str, str]:
     """Plan tensor parallelism once per block structure (blocks that differ — dense and mixture-of-experts
-    layers, a first block owning a shared module — get a plan each, on their first block), check it, apply it to
-    every block (or to the blocks ``apply_to`` indexes, this rank's pipeline stages) and to ``tp_plan``'s other
-    entries. ``block_call`` is the first block's call; ``capture(block)`` returns another block's. Returns the
-    applied plan as ``{module name pattern: style}``."""
+    layers, a first block owning a shared module — get a plan each, on their first block's call in
+    ``block_calls``, the setup probe's record), check it, apply it to every block (or to the blocks ``apply_to`` indexes, this rank's
+    pipeline stages) and to ``tp_plan``'s other entries. Returns the applied plan as ``{module name pattern:
+    style}``."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
     outside = {name: entry for name, entry in overrides.items() if not name.startswith(blocks_path + ".")}
     structures = block_structures(blocks)
@@ -126,7 +127,7 @@ def apply_tensor_parallel(
         targets = [i for i in indices if apply_to is None or i in apply_to]
         if not targets:
             continue  # another pipeline stage's blocks
-        call = block_call if indices[0] == 0 else _capture(capture, blocks, indices[0])
+        call = block_call(block_calls, indices[0])
         plan = plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
                                     indices=indices)
         if not plan.groups and not plan.custom:
@@ -143,14 +144,6 @@ def apply_tensor_parallel(
         if style is not None:
             parallelize_module(root.get_submodule(name), mesh, style)
     return {**described, **{name: str(entry) for name, entry in outside.items()}}
-
-
-def _capture(capture: Optional[Callable[[nn.Module], tuple[tuple, dict]]], blocks: BlockList,
-             index: int) -> tuple[tuple, dict]:
-    if capture is None:
-        raise ValueError(f"{blocks.name(index)} differs in structure from the first block: planning it needs its"
-                         " own call (pass capture=...).")
-    return capture(blocks[index])
 
 
 def plan_tensor_parallel(

@@ -17,9 +17,10 @@ on every tensor-parallel rank they make the first and last pipeline stages the m
   embedding's out like the weight (DTensor's embedding backward gives it ``Replicate()``, the head's is
   ``Shard(0)``).
 
-Which modules: :func:`find_vocab_layers` runs the user's step once (gradients off; on the meta device for a
-meta-device model) and records, for the ``nn.Embedding`` and ``nn.Linear`` modules outside the blocks, whether
-they run before or after the blocks and whether any code outside them reads their parameters (a head computing
+Which modules: :func:`find_vocab_layers` reads the setup probe's record of the user's step
+(:mod:`lightning_hybrid.probe.record`; on the meta device for a meta-device model): for the ``nn.Embedding`` and
+``nn.Linear`` modules outside the blocks, whether they run before or after the blocks and whether any code outside
+them reads their parameters (a head computing
 ``x @ embed.weight.T`` by hand would receive a DTensor it cannot mix with plain tensors). The embedding runs only
 before the blocks, the head only after them, and the head's output width is the embedding's vocabulary (or its
 weight is the embedding's). Anything ambiguous (two such pairs, a weight read by hand, a vocabulary tp does not
@@ -27,7 +28,7 @@ divide) stays whole, as before, with the reason logged.
 
 Example::
 
-    layers = find_vocab_layers(module, blocks, run_step, tp=2, tp_plan={})
+    layers = find_vocab_layers(module, blocks, probe.record(), tp=2, tp_plan={})
     layers.embedding, layers.head, layers.tied     # "model.tok_emb", "model.head", False
     shard_vocab_layers(module, layers, mesh["tp"])  # {"model.tok_emb": "rowwise (vocab)", "model.head": ...}
     shard_vocab_layers(module, layers, mesh["tp"], keep_logits_sharded=True)  # head: "colwise (vocab, logits sharded)"
@@ -35,22 +36,17 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Mapping, Optional
+from typing import Collection, Mapping, Optional
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from lightning_hybrid.parallel.blocks import BlockList
-from lightning_hybrid.parallel.dataflow import ParameterUses
+from lightning_hybrid.probe.blocks import BlockList
+from lightning_hybrid.probe.record import AFTER, BEFORE, SetupRecord
 from lightning_hybrid.parallel.tp_plan import PlanEntry, resolve_overrides
-
-_BEFORE, _TRUNK, _AFTER = "before", "between", "after"
-
 
 @dataclass(frozen=True)
 class VocabLayers:
@@ -63,11 +59,11 @@ class VocabLayers:
     reason: str = ""
 
 
-def find_vocab_layers(root: nn.Module, blocks: BlockList, run_step: Callable[[], Any], tp: int,
+def find_vocab_layers(root: nn.Module, blocks: BlockList, record: SetupRecord, tp: int,
                       tp_plan: Mapping[str, PlanEntry]) -> VocabLayers:
-    """The token embedding and the head of ``root`` that can be sharded over ``tp`` ranks, from one run of
-    ``run_step`` (the user's step on the first batch); modules the user's ``tp_plan`` names (or that contain or
-    lie inside one it names) are the user's."""
+    """The token embedding and the head of ``root`` that can be sharded over ``tp`` ranks, from the setup probe's
+    ``record`` of the user's step on the first batch; modules the user's ``tp_plan`` names (or that contain or lie
+    inside one it names) are the user's."""
     names = [name for name, _ in root.named_modules()]
     users = tuple(resolve_overrides(tp_plan, names))
     exclude = {name for name in names for user in users
@@ -75,17 +71,29 @@ def find_vocab_layers(root: nn.Module, blocks: BlockList, run_step: Callable[[],
     candidates = _candidates(root, blocks, exclude)
     if not candidates:
         return VocabLayers(reason="no nn.Embedding or nn.Linear outside the blocks")
-    watch = _VocabWatch(root, blocks, candidates)
-    handles = watch.attach()
-    try:
-        with torch.no_grad(), watch.reads:
-            run_step()
-    finally:
-        for handle in handles:
-            handle.remove()
-    embeddings = [name for name, m in candidates.items() if isinstance(m, nn.Embedding) and watch.only(name, _BEFORE)]
-    heads = [name for name, m in candidates.items() if isinstance(m, nn.Linear) and watch.only(name, _AFTER)]
-    return _pair(candidates, embeddings, heads, tp, watch.lookups)
+    read_outside = _read_outside(candidates, record)
+
+    def only(name: str, phase: str) -> bool:
+        return record.module_phases.get(name) == {phase} and name not in read_outside
+
+    embeddings = [name for name, m in candidates.items() if isinstance(m, nn.Embedding) and only(name, BEFORE)]
+    heads = [name for name, m in candidates.items() if isinstance(m, nn.Linear) and only(name, AFTER)]
+    return _pair(candidates, embeddings, heads, tp, record.largest_first_input)
+
+
+def _read_outside(candidates: dict[str, nn.Module], record: SetupRecord) -> set[str]:
+    """Candidates whose parameters some code read while no module holding that parameter was the one running (a
+    head computing ``x @ embed.weight.T`` by hand would receive a DTensor it cannot mix with plain tensors)."""
+    holders: dict[int, set[str]] = {}
+    for name, module in candidates.items():
+        for parameter in module.parameters():
+            holders.setdefault(id(parameter), set()).add(name)
+    outside: set[str] = set()
+    for name, module in candidates.items():
+        for attribute, parameter in module.named_parameters():
+            if record.parameter_readers.get(f"{name}.{attribute}", set()) - holders[id(parameter)]:
+                outside.update(holders[id(parameter)])
+    return outside
 
 
 def _candidates(root: nn.Module, blocks: BlockList, exclude: Collection[str]) -> dict[str, nn.Module]:
@@ -134,54 +142,6 @@ def _unsupported_embedding(embedding: nn.Embedding) -> str:
     options = {"max_norm": embedding.max_norm is not None, "sparse": embedding.sparse,
                "scale_grad_by_freq": embedding.scale_grad_by_freq}
     return ", ".join(name for name, used in options.items() if used)
-
-
-class _VocabWatch:
-    """Hooks following one step: the phase (before, between, after the blocks) each candidate runs in, and the
-    candidates whose parameters code outside them reads."""
-
-    def __init__(self, root: nn.Module, blocks: BlockList, candidates: dict[str, nn.Module]) -> None:
-        self.blocks, self.candidates = blocks, candidates
-        self.phase = _BEFORE
-        self.calls: dict[str, set[str]] = {name: set() for name in candidates}
-        self.lookups: dict[str, int] = {}  # the most indices an embedding looked up in one call
-        self.running: list[str] = []
-        self._owners: dict[int, set[str]] = {}
-        for name, module in candidates.items():
-            for parameter in module.parameters():
-                self._owners.setdefault(id(parameter), set()).add(name)
-        self.read_outside: set[str] = set()
-        self.reads = ParameterUses(self._read)
-
-    def only(self, name: str, phase: str) -> bool:
-        """Whether candidate ``name`` ran in ``phase`` only and nothing outside it read its parameters."""
-        return self.calls[name] == {phase} and name not in self.read_outside
-
-    def attach(self) -> list[Any]:
-        handles = [self.blocks[0].register_forward_pre_hook(lambda *_: self._set_phase(_TRUNK)),
-                   self.blocks[len(self.blocks) - 1].register_forward_hook(lambda *_: self._set_phase(_AFTER))]
-        for name, module in self.candidates.items():
-            handles.append(module.register_forward_pre_hook(functools.partial(self._entered, name)))
-            handles.append(module.register_forward_hook(self._left))
-        return handles
-
-    def _set_phase(self, phase: str) -> None:
-        self.phase = phase
-
-    def _entered(self, name: str, module: nn.Module, args: tuple) -> None:
-        self.calls[name].add(self.phase)
-        self.running.append(name)
-        if args and isinstance(args[0], torch.Tensor):
-            self.lookups[name] = max(self.lookups.get(name, 0), args[0].numel())
-
-    def _left(self, *_: Any) -> None:  # returns None: a forward hook's result would replace the module's output
-        self.running.pop()
-
-    def _read(self, parameter: nn.Parameter) -> None:
-        """A torch function used ``parameter``: note its candidates unless one of them is the module running."""
-        holders = self._owners.get(id(parameter))
-        if holders and not (self.running and self.running[-1] in holders):
-            self.read_outside.update(holders)
 
 
 def shard_vocab_layers(root: nn.Module, layers: VocabLayers, mesh: DeviceMesh,

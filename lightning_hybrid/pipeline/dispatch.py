@@ -5,7 +5,7 @@ which modules really compute:
 
 * the units (blocks, embedding, head, ... see :mod:`lightning_hybrid.pipeline.split`) of the running stage compute;
 * units of other stages are *stood in for*: zeros shaped like the unit's output, derived from the shapes of the
-  inputs by how its outputs followed its inputs in the calls seen (:mod:`lightning_hybrid.pipeline.shapes`: a
+  inputs by how its outputs followed its inputs in the calls seen (:mod:`lightning_hybrid.probe.shapes`: a
   block's output keeps its hidden-state input's batch and sequence lengths), else like the output of a meta-device
   copy, which also teaches the relation — no parameters, no FLOPs — so the user's code around them (rotary tables, masks, position ids computed from the
   embedding's output) still runs and hands the blocks their extra arguments. Attributes read from a stand-in
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_hybrid.pipeline.split import StageSplit
-from lightning_hybrid.pipeline.shapes import TensorSpec, UnitShapes, describe_call, output_spec
+from lightning_hybrid.probe.shapes import TensorSpec, UnitShapes, describe_call, output_spec
 
 
 def tensor_leaves(value: Any) -> list[Tensor]:

@@ -22,7 +22,7 @@ restored. On GPUs every timestamp waits for the device (``torch.accelerator.sync
 
 Example::
 
-    measured = measure_split(module, blocks, trace, schedule, run_step, device, "model.blocks")
+    measured = measure_split(module, blocks, record, schedule, run_step, device, "model.blocks")
     measured.blocks_per_stage, measured.stage_seconds       # e.g. [1, 3], [0.0061, 0.0042]
     measured.flop_blocks_per_stage, measured.flop_stage_seconds   # [3, 1] and its times under the measured costs
 """
@@ -42,10 +42,11 @@ from torch import Tensor, nn
 
 from lightning_hybrid._compat import tree_leaves
 from lightning_hybrid.options import MEASURED_SPLIT
-from lightning_hybrid.parallel.blocks import BlockList
+from lightning_hybrid.probe.blocks import BlockList
 from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.pipeline.split import balanced_split, check_enough_blocks, flop_balanced_split
-from lightning_hybrid.pipeline.trace import StepTrace
+from lightning_hybrid.probe.record import SetupRecord
+from lightning_hybrid.probe.step_probe import StepProbe, leaving_no_trace
 
 #: Timed repetitions of the step (the median of each figure is kept) after :data:`WARMUP` untimed ones.
 REPEATS, WARMUP = 5, 1
@@ -146,23 +147,25 @@ def split_by_time(times: StepTimes, schedule: PipelineSchedule, flop_split: Sequ
 
 
 def resolve_split(pp_split: Union[None, str, Sequence[int]], root: nn.Module, blocks: BlockList, blocks_path: str,
-                  trace: StepTrace, schedule: PipelineSchedule, run_step: Callable[[], Any],
+                  record: SetupRecord, schedule: PipelineSchedule, probe: StepProbe,
                   device: torch.device) -> tuple[Optional[Sequence[int]], Optional[MeasuredSplit]]:
     """``pp_split`` as :func:`~lightning_hybrid.pipeline.split.plan_split` takes it (blocks per stage, or ``None``
-    for the FLOP split) and, for ``"measured"``, the :func:`measure_split` that chose the blocks per stage."""
+    for the FLOP split) and, for ``"measured"``, the :func:`measure_split` that chose the blocks per stage, timing
+    the setup ``probe``'s step on the schedule's first microbatch."""
     if pp_split != MEASURED_SPLIT:
         return pp_split, None  # type: ignore[return-value]  # HybridOptions allows no other string
-    measured = measure_split(root, blocks, trace, schedule, run_step, device, blocks_path)
+    microbatch_step = functools.partial(probe.run, schedule.microbatches)
+    measured = measure_split(root, blocks, record, schedule, microbatch_step, device, blocks_path)
     return measured.blocks_per_stage, measured
 
 
-def measure_split(root: nn.Module, blocks: BlockList, trace: StepTrace, schedule: PipelineSchedule,
+def measure_split(root: nn.Module, blocks: BlockList, record: SetupRecord, schedule: PipelineSchedule,
                   run_step: Callable[[], Any], device: torch.device, blocks_path: str = "") -> MeasuredSplit:
     """Time the step (:func:`measure_step`), agree on the times over all ranks and split by them. Every rank
     calls it."""
     check_enough_blocks(blocks_path, len(blocks), schedule.num_stages)
     times = averaged_over_ranks(measure_step(root, blocks, run_step, device), device)
-    return split_by_time(times, schedule, flop_balanced_split(blocks, trace, schedule.num_stages))
+    return split_by_time(times, schedule, flop_balanced_split(blocks, record, schedule.num_stages))
 
 
 def averaged_over_ranks(times: StepTimes, device: torch.device) -> StepTimes:
@@ -197,20 +200,16 @@ def measure_step(root: nn.Module, blocks: BlockList, run_step: Callable[[], Any]
 
 @contextlib.contextmanager
 def _leaving_no_trace(root: nn.Module, device: torch.device) -> Iterator[None]:
-    """Gradients on; the random streams, the parameters' gradients and the buffers as they were afterwards."""
+    """Gradients on; the random streams and the buffers (the setup probe's isolation) and the parameters'
+    gradients as they were afterwards."""
     parameters = [p for p in root.parameters() if p.requires_grad]
     kept_grads = [p.grad for p in parameters]
-    buffers = [(b, b.detach().clone()) for b in root.buffers()]
-    devices = [] if device.type == "cpu" else [device]
     try:
-        with torch.random.fork_rng(devices, device_type=device.type), torch.enable_grad():
+        with leaving_no_trace(root, device), torch.enable_grad():
             yield
     finally:
         for parameter, grad in zip(parameters, kept_grads):
             parameter.grad = grad
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
 
 
 class _StepClock:

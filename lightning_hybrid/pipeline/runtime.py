@@ -17,7 +17,7 @@ the step's output are combined over microbatches and replayed on every rank
 Example::
 
     pipeline = build_pipeline(lightning_module, "model.blocks", blocks, PipelineSchedule.resolve("1f1b", pp=2),
-                              mesh["pp"], device, run_step=lambda: lightning_module.training_step(batch, 0))
+                              mesh, device, probe)      # probe: the setup probe (lightning_hybrid.probe.step_probe)
     pipeline.install()                                       # then FSDP2 on pipeline.stage_modules, then:
     pipeline.route_units()
     loss = pipeline.run_step("training_step", batch, 0)     # forward and backward for all microbatches
@@ -26,7 +26,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_hybrid._compat import keep_forward_actions, tree_map
-from lightning_hybrid.parallel.blocks import BlockList, detached
+from lightning_hybrid.probe.blocks import BlockList, detached
 from lightning_hybrid.pipeline.dispatch import (
     ActiveStage,
     RemoteUnit,
@@ -66,8 +66,8 @@ from lightning_hybrid.metrics import (
 )
 from lightning_hybrid.pipeline.measured import MeasuredSplit, resolve_split
 from lightning_hybrid.pipeline.shared import SharedParameter, combine_gradients, counted_elsewhere, shared_parameters
-from lightning_hybrid.pipeline.split import StageSplit, plan_split
-from lightning_hybrid.pipeline.trace import trace_step
+from lightning_hybrid.pipeline.split import StageSplit, check_block_runs, plan_split
+from lightning_hybrid.probe.step_probe import StepProbe
 from lightning_hybrid.pipeline.timing import StepRecorder, StepTimeline
 
 _TWO_LOCAL_STAGES = (
@@ -82,21 +82,23 @@ NEEDS_AUTOMATIC_OPTIMIZATION = (
 
 
 def build_pipeline(module: Any, blocks_path: str, blocks: BlockList, schedule: PipelineSchedule,
-                   mesh: DeviceMesh, device: torch.device, run_step: Callable[[], Any],
+                   mesh: DeviceMesh, device: torch.device, probe: StepProbe,
                    pp_split: Union[None, str, Sequence[int]] = None,
                    compute_dtype: Optional[torch.dtype] = None) -> "Pipeline":
-    """Trace one step (``run_step``, on one microbatch: the stand-ins answer from what it records), split it into
-    the schedule's stages (``pp_split`` blocks per stage; ``"measured"``: by the times of ``run_step``'s forward and
-    backward, :mod:`lightning_hybrid.pipeline.measured`; else by FLOPs) and keep meta-device copies of every unit,
-    taken before any other parallelism changes the units. ``mesh`` is the whole device mesh."""
+    """Split the step the setup ``probe`` recorded into the schedule's stages (``pp_split`` blocks per stage;
+    ``"measured"``: by the times of the probe's step, forward and backward, on one microbatch,
+    :mod:`lightning_hybrid.pipeline.measured`; else by the record's FLOPs) and keep meta-device copies of every
+    unit, taken before any other parallelism changes the units (the stand-ins answer from the record's shapes).
+    ``mesh`` is the whole device mesh."""
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(f"HybridStrategy(pp > 1): {NEEDS_AUTOMATIC_OPTIMIZATION}. Set"
                          " self.automatic_optimization = True or use pp=1.")
-    trace = trace_step(module, blocks, run_step)
-    pp_split, measured = resolve_split(pp_split, module, blocks, blocks_path, trace, schedule, run_step, device)
-    split = plan_split(module, blocks_path, blocks, trace, schedule.num_stages, pp_split)
+    record = probe.record()
+    check_block_runs(record.block_runs)
+    pp_split, measured = resolve_split(pp_split, module, blocks, blocks_path, record, schedule, probe, device)
+    split = plan_split(module, blocks_path, blocks, record, schedule.num_stages, pp_split)
     shadows = make_shadows(module, split, compute_dtype)
-    dispatcher = UnitDispatcher(split, shadows, trace.outputs, device, compute_dtype)
+    dispatcher = UnitDispatcher(split, shadows, record.outputs, device, compute_dtype)
     return Pipeline(module, split, schedule, mesh, device, dispatcher, measured)
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_hybrid._compat import tree_flatten, tree_unflatten
 from lightning_hybrid.metrics import MetricRef, metrics_of, recording_metric_calls
-from lightning_hybrid.parallel.blocks import detached
+from lightning_hybrid.probe.blocks import detached
 
 
 def check_batch(batch: Any, microbatches: int) -> None:

@@ -1,9 +1,9 @@
 """Split an unmodified model into pipeline stages: what runs and what lives where, decided from one traced step.
 
-The model is cut between its repeated blocks (:func:`lightning_hybrid.parallel.blocks.find_block_list`), balanced by
+The model is cut between its repeated blocks (:func:`lightning_hybrid.probe.blocks.find_block_list`), balanced by
 each block's traced FLOPs (or measured time: :mod:`lightning_hybrid.pipeline.measured`). Every other module that
 holds parameters — embeddings, final norm, head, whatever the user named them — goes with the stages that call it
-(:mod:`lightning_hybrid.pipeline.trace`): before the first block → the first stage, after the last block → the last
+(the setup probe's record, :mod:`lightning_hybrid.probe.record`): before the first block → the first stage, after the last block → the last
 stage, between blocks → every stage. A parameter lives on every stage that reads it, whichever module holds it: a
 weight tied between the embedding (first stage) and the head (last stage) lives on both, as do its modules; a table
 held by the model itself (``self.pos_embed``) lives where it is read. The runtime sums the gradients of a parameter
@@ -11,8 +11,8 @@ held on several stages over them.
 
 Example::
 
-    trace = trace_step(lightning_module, blocks, run_step=lambda: lightning_module.training_step(batch, 0))
-    split = plan_split(lightning_module, "model.layers", blocks, trace, num_stages=4)
+    record = record_step(lightning_module, blocks, run_step=lambda: lightning_module.training_step(batch, 0))
+    split = plan_split(lightning_module, "model.layers", blocks, record, num_stages=4)
     split.blocks_per_stage        # e.g. [2, 3, 3, 2]: the head's cost moved a block off the last stage
     split.parameter_stages        # {"model.tok_emb.weight": (0, 3), "model.head.weight": (0, 3), ...} when tied
 """
@@ -24,8 +24,8 @@ from typing import Iterable, Optional, Sequence
 
 from torch import nn
 
-from lightning_hybrid.parallel.blocks import BlockList
-from lightning_hybrid.pipeline.trace import AFTER, BEFORE, TRUNK, StepTrace
+from lightning_hybrid.probe.blocks import BlockList
+from lightning_hybrid.probe.record import AFTER, BEFORE, TRUNK, SetupRecord
 
 
 @dataclass
@@ -68,7 +68,7 @@ def plan_split(
     root: nn.Module,
     blocks_path: str,
     blocks: BlockList,
-    trace: StepTrace,
+    record: SetupRecord,
     num_stages: int,
     blocks_per_stage: Optional[Sequence[int]] = None,
 ) -> StageSplit:
@@ -76,20 +76,20 @@ def plan_split(
     parameters outside the blocks to stages."""
     check_enough_blocks(blocks_path, len(blocks), num_stages)
     if blocks_per_stage is None:
-        counts = flop_balanced_split(blocks, trace, num_stages)
+        counts = flop_balanced_split(blocks, record, num_stages)
     else:
         counts = _checked_split(blocks_per_stage, num_stages, len(blocks))
     split = StageSplit(num_stages=num_stages, blocks_per_stage=counts)
     for stage in range(num_stages):
         split.units += [Unit(blocks.name(i), i, (stage,), (stage,)) for i in split.block_range(stage)]
     # A parameter lives wherever it is read; a module the step never uses stays with the first stage.
-    split.parameter_stages = {name: _stages(reads, num_stages) or (0,) for name, reads in trace.parameter_reads.items()}
-    for name, calls in trace.outer_calls.items():
+    split.parameter_stages = {name: _stages(reads, num_stages) or (0,) for name, reads in record.parameter_reads.items()}
+    for name, calls in record.outer_calls.items():
         held = {stage for param, stages in split.parameter_stages.items() if param.startswith(name + ".")
                 for stage in stages}
         computes = _stages(calls, num_stages) or (min(held),)
         split.units.append(Unit(name, None, tuple(sorted(held | set(computes))), computes))
-    split.direct = {name: split.parameter_stages[name] for name in trace.direct_parameters}
+    split.direct = {name: split.parameter_stages[name] for name in record.direct_parameters}
     return split
 
 
@@ -102,6 +102,17 @@ def _stages(phases: Iterable[str], num_stages: int) -> tuple[int, ...]:
     return tuple(sorted(stages))
 
 
+def check_block_runs(runs: Sequence[int]) -> None:
+    """Refuse a step whose blocks did not each run once: the pipeline cuts it between blocks."""
+    wrong = {index: count for index, count in enumerate(runs) if count != 1}
+    if wrong:
+        raise ValueError(
+            "Pipeline parallelism cuts the model between its blocks, so each block must run exactly once per step;"
+            f" in the traced step these blocks ran a different number of times (block: calls): {wrong}. Point"
+            " HybridStrategy(blocks=...) at a block list whose blocks each run once, or use pp=1."
+        )
+
+
 def check_enough_blocks(blocks_path: str, num_blocks: int, num_stages: int) -> None:
     """Refuse more stages than blocks: every stage runs at least one block."""
     if num_stages > num_blocks:
@@ -112,14 +123,14 @@ def check_enough_blocks(blocks_path: str, num_blocks: int, num_stages: int) -> N
         )
 
 
-def flop_balanced_split(blocks: BlockList, trace: StepTrace, num_stages: int) -> list[int]:
+def flop_balanced_split(blocks: BlockList, record: SetupRecord, num_stages: int) -> list[int]:
     """Blocks per stage balanced by the traced FLOPs (the default split)."""
-    return balanced_split(_block_costs(blocks, trace), num_stages, trace.flops_before, trace.flops_after)
+    return balanced_split(_block_costs(blocks, record), num_stages, record.flops_before, record.flops_after)
 
 
-def _block_costs(blocks: BlockList, trace: StepTrace) -> list[float]:
-    if sum(trace.block_flops) > 0:
-        return trace.block_flops
+def _block_costs(blocks: BlockList, record: SetupRecord) -> list[float]:
+    if sum(record.block_flops) > 0:
+        return record.block_flops
     # No matrix products counted (FLOP counting covers matmuls, convolutions and attention): balance parameters.
     return [float(sum(p.numel() for p in block.parameters())) for block in blocks]
 

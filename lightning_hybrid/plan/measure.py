@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from lightning_hybrid._compat import tree_flatten
-from lightning_hybrid.parallel.blocks import find_block_list
+from lightning_hybrid.probe.blocks import find_block_list
 from lightning_hybrid.parallel.dataflow import trace_block
 from lightning_hybrid.parallel.tensor_parallel import plan_tensor_parallel
 from lightning_hybrid.parallel.tp_plan import PlanEntry, block_tp_overrides, plan_block

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_hybrid.checks import check_positive_values
-from lightning_hybrid.parallel.blocks import find_block_list
+from lightning_hybrid.probe.blocks import find_block_list
 
 
 @dataclass(frozen=True)

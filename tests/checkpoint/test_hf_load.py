@@ -120,15 +120,16 @@ def _load_tensor_parallel(rank: int, results: dict, folder: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+    from lightning_hybrid.probe.blocks import find_block_list
+    from lightning_hybrid.probe.record import record_step
     from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
     hf_load.READ_BLOCK_BYTES = 512
     holder = _Holder(build_module("hf_phi3", seed=1).model)
     path, blocks = find_block_list(holder)
-    call = capture_block_call(blocks[0], lambda: holder.model(torch.randint(0, 64, (2, 16))))
+    record = record_step(holder, blocks, lambda: holder.model(torch.randint(0, 64, (2, 16))))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    plan = apply_tensor_parallel(holder, path, blocks, call, mesh, tp_plan={}, verify=True)
+    plan = apply_tensor_parallel(holder, path, blocks, record.block_calls, mesh, tp_plan={}, verify=True)
     load_pretrained(holder, folder)
     saved = load_file(Path(folder) / "model.safetensors")
     state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in holder.model.state_dict().items()}

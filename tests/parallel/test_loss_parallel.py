@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.options import HybridOptions
-from lightning_hybrid.parallel.blocks import find_block_list
+from lightning_hybrid.probe.blocks import find_block_list
 from lightning_hybrid.parallel.loss_parallel import require_sharded_head, sharded_logits
 from lightning_hybrid.parallel.parallelize import accept_user_parallelism
 from lightning_hybrid.parallel.tp_vocab import VocabLayers
@@ -104,11 +104,13 @@ def _step_on_sharded_logits(rank: int, results: dict) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     from lightning_hybrid.parallel.tp_vocab import find_vocab_layers, shard_vocab_layers
+    from lightning_hybrid.probe.record import record_step
 
     module = build_module("gpt")
     reference = copy.deepcopy(module)
     tokens, targets = torch.randint(0, 64, (2, 2, 16), generator=torch.Generator().manual_seed(1))
-    vocab = find_vocab_layers(module, find_block_list(module)[1], lambda: module(tokens), 2, {})
+    blocks = find_block_list(module)[1]
+    vocab = find_vocab_layers(module, blocks, record_step(module, blocks, lambda: module(tokens)), 2, {})
     applied = shard_vocab_layers(module, vocab, init_device_mesh("cpu", (2,)), keep_logits_sharded=True)
     logged: list[tuple[str, object]] = []
     module.log = lambda name, value, *args, **kwargs: logged.append((name, value))  # Lightning's, recorded

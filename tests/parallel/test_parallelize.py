@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.mesh import ParallelDims
 from lightning_hybrid.options import HybridOptions
-from lightning_hybrid.parallel.blocks import BlockList
+from lightning_hybrid.probe.blocks import BlockList
 from lightning_hybrid.parallel.parallelize import parallelize
+from lightning_hybrid.probe.step_probe import StepProbe
 from tests.helpers import on_two_ranks
 from tests.models import build_module
 
@@ -45,9 +46,10 @@ def _parallelize_on_two_ranks(rank: int, results: dict) -> None:
         local = tokens if "tp" in degrees else tokens.chunk(2)[rank]
         dims = ParallelDims(world_size=2, **degrees)
         mesh, data_mesh = dims.build_mesh("cpu")
-        result = parallelize(module, "layers", BlockList("layers", module.layers), mesh, dims, HybridOptions(**degrees, **options),
-                             data_mesh=data_mesh, precision="32-true", device=torch.device("cpu"),
-                             run_step=lambda: module(local[:, :-1]))
+        blocks = BlockList("layers", module.layers)
+        probe = StepProbe(module, blocks, lambda microbatches: module(local[:, :-1]), torch.device("cpu"))
+        result = parallelize(module, "layers", blocks, mesh, dims, HybridOptions(**degrees, **options),
+                             data_mesh=data_mesh, precision="32-true", device=torch.device("cpu"), probe=probe)
         loss, grads = _loss_and_gradients(module, local)
         losses = [None] * data_mesh.size()
         dist.all_gather_object(losses, loss, group=data_mesh.get_group())

@@ -183,7 +183,7 @@ def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_hybrid.parallel.blocks import BlockList
+    from lightning_hybrid.probe.blocks import BlockList
     from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -191,7 +191,7 @@ def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict) -
     root.blocks = nn.ModuleList([block_zoo.build(style)])
     reference = copy.deepcopy(root.blocks[0])
     x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
-    plan = apply_tensor_parallel(root, "blocks", BlockList("blocks", root.blocks), ((x,), {}), mesh, tp_plan=tp_plan, verify=True)
+    plan = apply_tensor_parallel(root, "blocks", BlockList("blocks", root.blocks), {0: ((x,), {})}, mesh, tp_plan=tp_plan, verify=True)
     sharded = root.blocks[0]
     x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref, out_tp = reference(x_ref), sharded(x_tp)
@@ -262,7 +262,7 @@ def _plan_on_meta(rank: int, results: dict, style: str) -> None:
     """Plan and check a block that only exists on the meta device (the check materializes a copy of it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_hybrid.parallel.blocks import BlockList
+    from lightning_hybrid.probe.blocks import BlockList
     from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -270,7 +270,7 @@ def _plan_on_meta(rank: int, results: dict, style: str) -> None:
     with torch.device("meta"):
         root.blocks = nn.ModuleList([block_zoo.build(style)])
         x = torch.empty(2, 8, block_zoo.DIM)
-    plan = apply_tensor_parallel(root, "blocks", BlockList("blocks", root.blocks), ((x,), {}), mesh, tp_plan={}, verify=True)
+    plan = apply_tensor_parallel(root, "blocks", BlockList("blocks", root.blocks), {0: ((x,), {})}, mesh, tp_plan={}, verify=True)
     if rank == 0:
         results.update(plan=plan, still_meta=all(p.is_meta for p in root.blocks.parameters()))
 

@@ -49,7 +49,8 @@ def _hugging_face_vs_unsharded(rank: int, results: dict, name: str, tp_plan: dic
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+    from lightning_hybrid.probe.blocks import find_block_list
+    from lightning_hybrid.probe.record import record_step
     from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
@@ -57,8 +58,8 @@ def _hugging_face_vs_unsharded(rank: int, results: dict, name: str, tp_plan: dic
     reference = copy.deepcopy(model)
     idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     path, blocks = find_block_list(model)
-    call = capture_block_call(blocks[0], lambda: model(idx))
-    plan = apply_tensor_parallel(model, path, blocks, call, mesh, tp_plan=tp_plan, verify=True)
+    record = record_step(model, blocks, lambda: model(idx))
+    plan = apply_tensor_parallel(model, path, blocks, record.block_calls, mesh, tp_plan=tp_plan, verify=True)
     out_ref, out_tp = reference(idx).logits, model(idx).logits
     out_ref.square().mean().backward()
     out_tp.square().mean().backward()
@@ -125,13 +126,14 @@ def test_grouped_query_attention_and_experts_train_like_the_whole_model(name: st
 
 # ------------------------------------------------------------------------------- mixture of experts, mixed blocks
 def test_blocks_that_differ_in_structure_are_found_as_one_list_and_planned_apart() -> None:
-    from lightning_hybrid.parallel.blocks import block_structures, capture_block_call, find_block_list
+    from lightning_hybrid.probe.blocks import block_structures, find_block_list
+    from lightning_hybrid.probe.record import record_step
     from tests.zoo_mixed import MixedConfig, MixedLM
 
     model = MixedLM(MixedConfig())
     path, blocks = find_block_list(model)  # not a block's list of experts
     assert path == "blocks" and block_structures(blocks) == [[0, 2], [1, 3]]
-    args, kwargs = capture_block_call(blocks[1], lambda: model(torch.randint(0, 64, (2, 16))))
+    args, kwargs = record_step(model, blocks, lambda: model(torch.randint(0, 64, (2, 16)))).block_calls[1]
     groups = _first_choice(blocks[1], *args)
     pairs = [(list(group.columns), group.rows) for group in groups]
     # every expert's MLP is a column/row pair; the router feeds no row layer and stays whole
@@ -140,12 +142,13 @@ def test_blocks_that_differ_in_structure_are_found_as_one_list_and_planned_apart
 
 
 def test_stacked_expert_weights_are_sharded_along_each_experts_hidden_width() -> None:
-    from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+    from lightning_hybrid.probe.blocks import find_block_list
+    from lightning_hybrid.probe.record import record_step
     from lightning_hybrid.parallel.tp_experts import expert_layouts, holds_expert_stack
 
     model = _hugging_face_model("mixtral")
     _, blocks = find_block_list(model)
-    args, kwargs = capture_block_call(blocks[0], lambda: model(torch.randint(0, 64, (2, 8))))
+    args, kwargs = record_step(model, blocks, lambda: model(torch.randint(0, 64, (2, 8)))).block_calls[0]
     trace = trace_block(blocks[0], args, kwargs)
     assert trace.opaque == {"mlp.gate"}  # the router returns logits, scores and indices: kept whole
     experts = blocks[0].mlp.experts

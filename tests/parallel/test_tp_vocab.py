@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_hybrid.options import HybridOptions
-from lightning_hybrid.parallel.blocks import find_block_list
+from lightning_hybrid.probe.blocks import find_block_list
+from lightning_hybrid.probe.record import record_step
 from lightning_hybrid.parallel.tp_vocab import VocabLayers, find_vocab_layers
 from tests.helpers import on_two_ranks
 from tests.models import build_module
@@ -22,7 +23,7 @@ from tests.models import build_module
 def _found(module: nn.Module, tp: int = 2, tp_plan: dict | None = None) -> VocabLayers:
     _, blocks = find_block_list(module)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    return find_vocab_layers(module, blocks, lambda: module(tokens), tp, tp_plan or {})
+    return find_vocab_layers(module, blocks, record_step(module, blocks, lambda: module(tokens)), tp, tp_plan or {})
 
 
 @pytest.mark.parametrize(("name", "embedding", "head", "tied"), [

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hybrid import HybridStrategy
-from lightning_hybrid.parallel.blocks import find_block_list
+from lightning_hybrid.probe.blocks import find_block_list
 from lightning_hybrid.pipeline.measured import (
     META_DEVICE,
     StepTimes,

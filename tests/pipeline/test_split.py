@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+from lightning_hybrid.probe.blocks import find_block_list
 from lightning_hybrid.pipeline.dispatch import ActiveStage, UnitDispatcher, make_shadows
 from lightning_hybrid.pipeline.semantics import muted_logs
-from lightning_hybrid.pipeline.split import balanced_split, plan_split
-from lightning_hybrid.pipeline.shapes import TensorSpec, describe_call
-from lightning_hybrid.pipeline.trace import AFTER, BEFORE, TRUNK, trace_step
+from lightning_hybrid.pipeline.split import balanced_split, check_block_runs, plan_split
+from lightning_hybrid.probe.shapes import TensorSpec, describe_call
+from lightning_hybrid.probe.record import AFTER, BEFORE, TRUNK, record_step
 from tests.models import build_module
 
 
@@ -19,7 +19,7 @@ def _trace(module: nn.Module):
     path, blocks = find_block_list(module)
     inputs = torch.randint(0, 64, (2, 16))
     with muted_logs(module):
-        trace = trace_step(module, blocks, lambda: module.training_step((inputs, inputs), 0))
+        trace = record_step(module, blocks, lambda: module.training_step((inputs, inputs), 0))
     return path, blocks, trace
 
 
@@ -144,8 +144,9 @@ def test_block_called_twice_is_refused():
         return inner(idx)
 
     module.model.forward = twice
+    _, _, trace = _trace(module)
     with pytest.raises(ValueError, match=r"each block must run exactly once per step.*\{0: 2\}"):
-        _trace(module)
+        check_block_runs(trace.block_runs)
 
 
 def test_stand_ins_answer_from_the_trace_when_a_block_is_handed_an_object():
@@ -156,8 +157,7 @@ def test_stand_ins_answer_from_the_trace_when_a_block_is_handed_an_object():
     path, blocks, trace = _trace(module)
     split = plan_split(module, path, blocks, trace, num_stages=2)
     dispatcher = UnitDispatcher(split, make_shadows(module, split), trace.outputs, torch.device("cpu"), None)
-    inputs = torch.randint(0, 64, (2, 16))
-    args, kwargs = capture_block_call(blocks[0], lambda: module.training_step((inputs, inputs), 0))
+    args, kwargs = trace.block_calls[0]
     assert type(kwargs["cache"]).__name__ == "DynamicCache"
     index = [unit.name for unit in split.units].index(blocks.name(0))
     dispatcher.active = ActiveStage(1, split.block_range(1), is_first=False, is_last=True, received=())

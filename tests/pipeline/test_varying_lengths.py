@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hybrid.pipeline.microbatches import counting_loss_terms, split_microbatches
-from lightning_hybrid.pipeline.shapes import ShapeRelation, TensorSpec, describe_call
+from lightning_hybrid.probe.shapes import ShapeRelation, TensorSpec, describe_call
 from tests.helpers import REPO_ROOT, relative_difference, run_rank_script
 
 SCRIPT = REPO_ROOT / "tests" / "pipeline" / "varying_lengths.py"

@@ -22,7 +22,8 @@ from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.plan.auto_layout import Obstacles, adopt_layout, choose_layout, describe_choice
 from lightning_hybrid.plan.measure import measure_model, tensor_parallel_obstacles
 from lightning_hybrid.plan.probe import all_reduce_link, matmul_flops
-from lightning_hybrid.parallel.blocks import capture_block_call, find_block_list
+from lightning_hybrid.probe.blocks import find_block_list
+from lightning_hybrid.probe.record import first_block_call, record_step
 from lightning_hybrid.plan.cost import estimate
 from lightning_hybrid.plan.hardware import GIB, Cluster
 from lightning_hybrid.plan.layout import Layout
@@ -40,7 +41,7 @@ def _first_block_call(module: nn.Module, sequences: int = 8) -> tuple[str, nn.Mo
     dataset = RandomTokenDataset(sequences, config["seq_len"], config["vocab_size"], seed=1)
     batch = default_collate([dataset[i] for i in range(sequences)])
     path, blocks = find_block_list(module)
-    return path, blocks, capture_block_call(blocks[0], lambda: module.training_step(batch, 0))
+    return path, blocks, first_block_call(record_step(module, blocks, lambda: module.training_step(batch, 0)))
 
 
 # ------------------------------------------------------------------------------------------- the live model
