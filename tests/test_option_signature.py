@@ -117,9 +117,9 @@ def help_entries(text: str, prefix: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("recipe", [pretrain_gpt.main, finetune_hf.main], ids=["pretrain_gpt", "finetune_hf"])
 def test_recipe_help_describes_every_strategy_argument(recipe: Callable[[list[str]], Any]) -> None:
-    entries = help_entries(strategy_help(recipe), "trainer.strategy")
-    assert list(entries) == list(inspect.signature(HybridStrategy).parameters)
-    for name, description in documented(HybridStrategy).items():
+    entries, docs = help_entries(strategy_help(recipe), "trainer.strategy"), documented(HybridStrategy)
+    assert list(entries) == list(docs) == list(inspect.signature(HybridStrategy).parameters)
+    for name, description in docs.items():
         # The description comes before jsonargparse's "(type: ..., default: ...)".
         text = squeezed(entries[name].split("(type:")[0])
         assert squeezed(description)[:60] in text, f"--trainer.strategy.{name}: {entries[name]}"
