@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
+
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_hybrid.checks import check_positive
 from lightning_hybrid.option_checks import (check_async_checkpoint, check_loss_parallel, checked_reduce_dtype,
@@ -86,7 +88,8 @@ class HybridOptions:
         virtual_stages: Stages per pipeline rank: 1 for ``gpipe``/``1f1b``, default 2 for the others.
         pp_split: Blocks per stage (``pp × virtual_stages`` numbers), overriding the balanced split; ``"measured"``
             balances the stages by each block's forward + backward time, measured at setup on the first microbatch
-            (not with ``pp="auto"`` or a meta-device model; see :mod:`lightning_hybrid.pipeline.measured`).
+            (not with ``pp="auto"`` or a meta-device model; logged, and kept in
+            ``HybridStrategy.pipeline.measured_split``; see :mod:`lightning_hybrid.pipeline.measured`).
         activation_checkpointing: ``None`` (default: none; chosen with an ``"auto"`` layout), ``"none"``,
             ``"every"`` block, an integer N (every N-th block) or
             ``"selective"`` (every block, keeping matmul and attention outputs); see
@@ -136,7 +139,7 @@ class HybridOptions:
     pp: Degree = 1
     dp_replicate: int = 1
     zero: Optional[int] = None
-    tp_plan: Mapping[str, Any] = field(default_factory=dict)
+    tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None  # a dict once constructed
     shard_vocab: bool = True
     blocks: Optional[str] = None
     pp_schedule: Optional[str] = None
@@ -226,7 +229,13 @@ class HybridOptions:
     def changed(self, **changes: Any) -> "HybridOptions":
         """These options with ``changes``; what was left unset stays unset (``dataclasses.replace`` would pass
         the resolved ``zero`` and ``pp_schedule`` on as if given)."""
-        return replace(self, **{"zero": self.zero_given, "pp_schedule": self.pp_schedule_given, **changes})
+        return replace(self, **{**self.arguments(), **changes})
+
+    def arguments(self) -> dict[str, Any]:
+        """The keyword arguments these options are built from: ``HybridOptions(**options.arguments()) == options``
+        (``zero`` and ``pp_schedule`` as given, not as resolved)."""
+        given = {"zero": self.zero_given, "pp_schedule": self.pp_schedule_given}
+        return {item.name: given.get(item.name, getattr(self, item.name)) for item in fields(self) if item.init}
 
     def _checked_pipeline(self) -> Optional[PipelineSchedule]:
         if not (self.pp_split is None or self.pp_split == MEASURED_SPLIT or isinstance(self.pp_split, (list, tuple))):

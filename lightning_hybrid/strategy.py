@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 from os import PathLike
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -40,17 +40,16 @@ from lightning_hybrid.metrics import sync_over
 from lightning_hybrid.observe.monitor import ParallelMonitor, add_monitor
 from lightning_hybrid.observe.run_record import predict_fixed_layout, wants_prediction
 from lightning_hybrid.observe.summary import use_whole_model_summary
-from lightning_hybrid.options import DEFAULT_WATCHDOG_TIMEOUT_S, Degree, HybridOptions
-from lightning_hybrid.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointPlan
+from lightning_hybrid.option_signature import keyword_options, options_from
+from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan
 from lightning_hybrid.parallel.loss_parallel import sharded_logits
 from lightning_hybrid.parallel.parallelize import accept_user_parallelism, find_blocks, parallelize, recording_construction
 from lightning_hybrid.parallel.precision import HybridPrecision, let_standalone_trainer_reach_precision, serving_plugin
 from lightning_hybrid.parallel.sharding import buffers_to_device
-from lightning_hybrid.parallel.tp_plan import PlanEntry
 from lightning_hybrid.pipeline.runtime import Pipeline
 from lightning_hybrid.pipeline.schedules import PipelineSchedule
 from lightning_hybrid.plan.auto_layout import adopt_layout, choose_for_run
-from lightning_hybrid.plan.hardware import Cluster
 from lightning_hybrid.plan.layout import Estimate
 from lightning_hybrid.probe.record import first_block_call
 from lightning_hybrid.probe.step_probe import StepProbe
@@ -60,6 +59,7 @@ from lightning_hybrid.resilience.replicas import add_replica_check
 from lightning_hybrid.steps import RootStepRouter, free_stale_gradients
 
 
+@keyword_options(HybridOptions)
 class HybridStrategy(ModelParallelStrategy):
     """Data-parallel sharding (FSDP2) × automatic tensor parallelism × pipeline parallelism for a LightningModule
     written without any of them.
@@ -75,17 +75,11 @@ class HybridStrategy(ModelParallelStrategy):
     Lightning's ``data_parallel``, ``tensor_parallel`` as aliases); ``strategy.data_mesh`` flattens the data-parallel
     ranks. What the LightningModule sees as ``self.device_mesh``: :mod:`lightning_hybrid.model_parallel`.
 
+    The options are declared once, as the fields of :class:`~lightning_hybrid.options.HybridOptions`: the signature
+    and the entries below are generated from them; :meth:`from_options` takes a built one. For a module that
+    parallelizes itself, ``dp``, ``tp`` and ``pp`` mean what they mean to ``ModelParallelStrategy``.
+
     Arguments:
-        dp, tp, pp, dp_replicate, zero, tp_plan, shard_vocab, blocks, pp_schedule, microbatches, virtual_stages,
-        pp_split, activation_checkpointing, offload, verify_tp_plan, save_distributed_checkpoint, cluster, weights,
-        compile, reduce_dtype, loss_parallel, watchdog_timeout, async_checkpoint, check_replicas_every_n_steps:
-            validated at construction into :attr:`options`; each is documented at
-            :class:`~lightning_hybrid.options.HybridOptions`. ``pp_split="measured"`` balances the pipeline stages
-            by each block's forward + backward time measured at setup instead of traced FLOPs (logged, and kept
-            in ``strategy.pipeline.measured_split``). ``dp``, ``tp`` and ``pp`` may be ``"auto"``:
-            ``tp="auto"``/``pp="auto"`` choose the layout at setup with the planner's cost model
-            (:mod:`lightning_hybrid.plan.auto_layout`) and keep its estimate in :attr:`layout_estimate`; for a
-            module that parallelizes itself they mean what they mean to ``ModelParallelStrategy``.
         process_group_backend: ``"nccl"`` or ``"gloo"``; chosen from the device when ``None``.
         timeout: Timeout of collective operations: also how long the other ranks can wait on a rank that vanished
             without closing its connections (a killed process's closed connections end the job at once).
@@ -98,35 +92,16 @@ class HybridStrategy(ModelParallelStrategy):
     _async_saves: Optional[async_save.AsyncSaves] = None  # set at setup with async_checkpoint=True
 
     def __init__(
-        self,
-        dp: Degree = "auto", tp: Degree = 1, pp: Degree = 1, dp_replicate: int = 1, zero: Optional[int] = None,
-        tp_plan: Optional[Mapping[str, PlanEntry]] = None, shard_vocab: bool = True, blocks: Optional[str] = None,
-        pp_schedule: Optional[str] = None, microbatches: Optional[int] = None, virtual_stages: Optional[int] = None,
-        pp_split: Union[None, Literal["measured"], Sequence[int]] = None,
-        activation_checkpointing: ActivationCheckpointing = None,
-        offload: bool = False,
-        verify_tp_plan: bool = True,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        monitor: Union[bool, ParallelMonitor] = True,
-        cluster: Optional[Cluster] = None,
-        weights: Optional[Union[str, PathLike]] = None,
-        reduce_dtype: Optional[str] = None, compile: Union[bool, Mapping[str, Any]] = False,
-        loss_parallel: bool = False, watchdog_timeout: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
-        async_checkpoint: bool = False, check_replicas_every_n_steps: Optional[int] = None,
+        self, *, process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+        monitor: Union[bool, ParallelMonitor] = True, **option_values: Any,
     ) -> None:
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+        # The options' parameters (names, types, defaults, docs) are HybridOptions' fields, via @keyword_options.
+        checked = options_from(HybridOptions, option_values, type(self))
+        super().__init__(save_distributed_checkpoint=checked.save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         let_standalone_trainer_reach_precision(HybridStrategy)
         #: The validated arguments; an ``"auto"`` layout's chosen degrees replace the ``"auto"`` ones at setup.
-        self.options = HybridOptions(dp=dp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero=zero, tp_plan=tp_plan,
-            shard_vocab=shard_vocab, blocks=blocks, pp_schedule=pp_schedule, microbatches=microbatches, offload=offload,
-            virtual_stages=virtual_stages, pp_split=pp_split, activation_checkpointing=activation_checkpointing,
-            verify_tp_plan=verify_tp_plan, save_distributed_checkpoint=save_distributed_checkpoint, cluster=cluster,
-            weights=weights, compile=compile, reduce_dtype=reduce_dtype, loss_parallel=loss_parallel,
-            watchdog_timeout=watchdog_timeout, async_checkpoint=async_checkpoint,
-            check_replicas_every_n_steps=check_replicas_every_n_steps)
+        self.options: HybridOptions = checked
         if not isinstance(monitor, (bool, ParallelMonitor)):
             raise ValueError(f"HybridStrategy(monitor={monitor!r}) must be True, False or a ParallelMonitor(...).")
         self._monitor = monitor
@@ -147,6 +122,12 @@ class HybridStrategy(ModelParallelStrategy):
         self._root_router = RootStepRouter()
         # The setup probe's batch, until the loop has taken over its loader (see process_dataloader).
         self._setup_batch: Optional[SetupBatch] = None
+
+    @classmethod
+    def from_options(cls, options: HybridOptions, **arguments: Any) -> "HybridStrategy":
+        """The strategy with ``options`` (typed and validated where they were built) and the other ``arguments``
+        (``process_group_backend``, ``timeout``, ``monitor``): ``HybridStrategy.from_options(HybridOptions(tp=2))``."""
+        return cls(**options.arguments(), **arguments)
 
     @property
     def pp_schedule(self) -> Optional[PipelineSchedule]:
