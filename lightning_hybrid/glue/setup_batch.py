@@ -137,7 +137,9 @@ def setup_probe(trainer: Trainer, batch: SetupBatch, module: nn.Module, blocks: 
         with context(), muted_logs(module):
             return getattr(module, batch.step_name)(step_batch, 0)
 
-    return StepProbe(module, blocks, run_step, device)
+    # Taking the batch starts the loop's own iterator, which draws its seed from the random stream as the loop would
+    # have: done before the probe isolates its runs, so that the draw stays.
+    return StepProbe(module, blocks, run_step, device, prepare=lambda: batch.batch)
 
 
 def first_microbatch(batch: Any, microbatches: int) -> Any:

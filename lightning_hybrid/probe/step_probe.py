@@ -39,9 +39,13 @@ RunStep = Callable[[int], Any]
 class StepProbe:
     """The user's step at setup: :meth:`record` once, :meth:`run` again for timing (see the module docstring)."""
 
-    def __init__(self, root: nn.Module, blocks: BlockList, run_step: RunStep, device: torch.device) -> None:
+    def __init__(self, root: nn.Module, blocks: BlockList, run_step: RunStep, device: torch.device,
+                 prepare: Callable[[], Any] = lambda: None) -> None:
         self.root, self.blocks, self.device = root, blocks, device
         self._run_step = run_step
+        # Work the training itself would do, done early for the probe (the loop's data iterator started): once,
+        # before the first run and outside its isolation, so that its effects on the random streams stay.
+        self._prepare: Optional[Callable[[], Any]] = prepare
         self._record: Optional[SetupRecord] = None
 
     def record(self) -> SetupRecord:
@@ -58,7 +62,11 @@ class StepProbe:
         return self._run_step(microbatches)
 
     def isolated(self) -> contextlib.AbstractContextManager[None]:
-        """Within it, the random streams are forked and every buffer is restored on exit."""
+        """Within it, the random streams are forked and every buffer is restored on exit (the first call runs the
+        caller's ``prepare`` first, outside)."""
+        if self._prepare is not None:
+            prepare, self._prepare = self._prepare, None
+            prepare()
         return leaving_no_trace(self.root, self.device)
 
 

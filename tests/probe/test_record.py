@@ -1,0 +1,114 @@
+"""The setup record: one run of the step, everything the planners read from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_hybrid.probe.blocks import find_block_list
+from lightning_hybrid.probe.record import AFTER, BEFORE, TRUNK, first_block_call, record_step
+
+
+class Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x += self.down(F.relu(self.up(x)))  # writes its input in place, as some blocks do
+        return x
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: Tensor, scale: float) -> Tensor:
+        return x + scale * self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Tied(nn.Module):
+    """Dense and gated blocks alternating, a position table held by the model itself, a head tied to the
+    embedding, and a second use of the embedding's weight outside any module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.pos = nn.Parameter(torch.zeros(6, 8))
+        self.blocks = nn.ModuleList([Dense(), Gated(), Dense(), Gated()])
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight
+        self.calls = 0
+
+    def forward(self, tokens: Tensor, by_hand: bool = False) -> Tensor:
+        self.calls += 1
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for index, block in enumerate(self.blocks):
+            x = block(x) if index % 2 == 0 else block(x, scale=0.5)
+        x = self.norm(x)
+        return x @ self.embed.weight.T if by_hand else self.head(x)
+
+
+def _record(model: Tied, tokens: Tensor, by_hand: bool = False):
+    _, blocks = find_block_list(model)
+    return record_step(model, blocks, lambda: model(tokens, by_hand))
+
+
+def test_one_run_records_the_first_call_of_each_block_structure_as_it_was_entered() -> None:
+    model = Tied()
+    tokens = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    record = _record(model, tokens)
+    assert model.calls == 1
+    assert sorted(record.block_calls) == [0, 1]  # the first Dense and the first Gated block
+    (x,), kwargs = first_block_call(record)
+    expected = model.embed(tokens) + model.pos  # what block 0 was given, before it added to it in place
+    assert kwargs == {} and torch.equal(x, expected.detach())
+    (x1,), kwargs1 = record.block_calls[1]
+    assert kwargs1 == {"scale": 0.5} and x1.shape == (2, 6, 8)
+    assert record.block_runs == [1, 1, 1, 1]
+
+
+def test_phases_flops_and_parameter_reads_follow_the_step() -> None:
+    model = Tied()
+    record = _record(model, torch.randint(0, 32, (2, 6)))
+    assert record.outer_units == ["embed", "norm", "head"]
+    assert record.outer_calls == {"embed": {BEFORE}, "norm": {AFTER}, "head": {AFTER}}
+    assert record.direct_parameters == ["pos"]
+    # The tied weight is read before the blocks (the lookup) and after them (the head), under both names.
+    assert record.parameter_reads["embed.weight"] == record.parameter_reads["head.weight"] == {BEFORE, AFTER}
+    assert record.parameter_readers["embed.weight"] == {"embed", "head"}
+    assert record.parameter_reads["pos"] == {BEFORE} and record.parameter_readers["pos"] == {""}
+    assert record.largest_first_input["embed"] == 12  # the batch's tokens
+    dense, gated = 2 * (2 * 6 * 8 * 16) * 2, 2 * (2 * 6 * 8 * 16) * 3  # multiply-adds of its linear layers
+    assert record.block_flops == [dense, gated, dense, gated]
+    assert record.flops_before == 0 and record.flops_after == 2 * 2 * 6 * 8 * 32  # the head
+    assert TRUNK not in record.module_phases["head"]
+
+
+def test_a_weight_read_by_hand_is_read_by_no_module() -> None:
+    record = _record(Tied(), torch.randint(0, 32, (2, 6)), by_hand=True)
+    assert record.parameter_readers["embed.weight"] == {"embed", ""}
+    assert record.module_phases["head"] == set()
+
+
+def test_the_outputs_of_units_are_described_for_the_stand_ins() -> None:
+    from lightning_hybrid.probe.shapes import describe_call
+
+    model = Tied()
+    record = _record(model, torch.randint(0, 32, (2, 6)))
+    smaller = describe_call((torch.zeros(1, 6, 8),), {})
+    assert record.outputs.predict("blocks.0", smaller).shape == (1, 6, 8)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_meta_device_model_is_recorded_on_the_meta_device(meta: bool) -> None:
+    with torch.device("meta" if meta else "cpu"):
+        model = Tied()
+    tokens = torch.randint(0, 32, (2, 6), device="meta" if meta else "cpu")
+    record = _record(model, tokens)
+    assert first_block_call(record)[0][0].is_meta == meta
+    assert record.block_flops[0] == 2 * (2 * 6 * 8 * 16) * 2
