@@ -86,10 +86,8 @@ def build_pipeline(module: Any, blocks_path: str, blocks: BlockList, schedule: P
                    pp_split: Union[None, str, Sequence[int]] = None,
                    compute_dtype: Optional[torch.dtype] = None) -> "Pipeline":
     """Split the step the setup ``probe`` recorded into the schedule's stages (``pp_split`` blocks per stage;
-    ``"measured"``: by the times of the probe's step, forward and backward, on one microbatch,
-    :mod:`lightning_hybrid.pipeline.measured`; else by the record's FLOPs) and keep meta-device copies of every
-    unit, taken before any other parallelism changes the units (the stand-ins answer from the record's shapes).
-    ``mesh`` is the whole device mesh."""
+    ``"measured"``: by the probe's step timed, :mod:`lightning_hybrid.pipeline.measured`; else by its FLOPs) and keep
+    meta-device copies of every unit before any other parallelism changes them. ``mesh``: the whole device mesh."""
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(f"HybridStrategy(pp > 1): {NEEDS_AUTOMATIC_OPTIMIZATION}. Set"
                          " self.automatic_optimization = True or use pp=1.")
