@@ -175,8 +175,10 @@ class _Recorder:
     def __init__(self, root: nn.Module, blocks: BlockList, units: dict[str, nn.Module], capture: set[int]) -> None:
         self.blocks, self.units, self.capture = blocks, units, capture
         inside = {id(m) for m in blocks.container.modules()}
+        # Modules that hold parameters: the units, the vocabulary's candidates, whatever may read a weight. Not a
+        # torchmetrics metric, which its own code copies (deep copies reach this recorder through the hooks).
         self.outside = {name: m for name, m in root.named_modules() if id(m) not in inside
-                        and not any(c is blocks.container for c in m.modules())}
+                        and not any(c is blocks.container for c in m.modules()) and any(True for _ in m.parameters())}
         self.names_of = _parameter_names(root, inside)
         self.phase = BEFORE
         self.running: list[str] = []
@@ -190,6 +192,11 @@ class _Recorder:
         self.counter = FlopCounterMode(display=False)
         self.marks: dict[str, float] = {}
         self.outputs = UnitShapes()
+
+    def __deepcopy__(self, memo: dict) -> "_Recorder":
+        # A hooked module the step deep-copies (an EMA copy, a metric's clone) copies its hooks: they share this
+        # recorder instead of copying it, and with it the whole model.
+        return self
 
     def attach(self) -> list[Any]:
         handles = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,18 +46,19 @@ class Tied(nn.Module):
         self.head.weight = self.embed.weight
         self.calls = 0
 
-    def forward(self, tokens: Tensor, by_hand: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, by_hand: bool = False, copy_norm: bool = False) -> Tensor:
         self.calls += 1
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for index, block in enumerate(self.blocks):
             x = block(x) if index % 2 == 0 else block(x, scale=0.5)
-        x = self.norm(x)
+        norm = copy.deepcopy(self.norm) if copy_norm else self.norm  # an EMA copy, a metric's clone
+        x = norm(x)
         return x @ self.embed.weight.T if by_hand else self.head(x)
 
 
-def _record(model: Tied, tokens: Tensor, by_hand: bool = False):
+def _record(model: Tied, tokens: Tensor, by_hand: bool = False, copy_norm: bool = False):
     _, blocks = find_block_list(model)
-    return record_step(model, blocks, lambda: model(tokens, by_hand))
+    return record_step(model, blocks, lambda: model(tokens, by_hand, copy_norm))
 
 
 def test_one_run_records_the_first_call_of_each_block_structure_as_it_was_entered() -> None:
@@ -93,6 +96,15 @@ def test_a_weight_read_by_hand_is_read_by_no_module() -> None:
     record = _record(Tied(), torch.randint(0, 32, (2, 6)), by_hand=True)
     assert record.parameter_readers["embed.weight"] == {"embed", ""}
     assert record.module_phases["head"] == set()
+
+
+def test_a_module_the_step_copies_copies_its_hooks_not_the_record() -> None:
+    # Deep-copying a hooked module copies its hooks; were the recorder copied with them, the copy would reach every
+    # module it watches and read every weight there (found with torchmetrics, which clones its metrics).
+    record = _record(Tied(), torch.randint(0, 32, (2, 6)), copy_norm=True)
+    assert record.parameter_reads["pos"] == {BEFORE}
+    assert record.parameter_reads["embed.weight"] == {BEFORE, AFTER}
+    assert record.parameter_reads["norm.weight"] == {AFTER}
 
 
 def test_the_outputs_of_units_are_described_for_the_stand_ins() -> None:
