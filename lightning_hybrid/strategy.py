@@ -10,6 +10,8 @@ layout is chosen by :mod:`lightning_hybrid.plan.auto_layout`, pipelined steps ru
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from os import PathLike
 from pathlib import Path
@@ -139,7 +141,13 @@ class HybridStrategy(ModelParallelStrategy):
         """Which blocks are activation-checkpointed (``None``: none)."""
         return self.options.checkpointing
 
-    model_sharded_context = staticmethod(recording_construction)  # configure_model's meta-built values recorded
+    # Around configure_model and trainer.init_module(empty_init=True) alike, meta-built values are recorded; not in
+    # model_sharded_context: Lightning warns that init_module is unsupported by any strategy that overrides it.
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        with super().tensor_init_context(empty_init), recording_construction():
+            yield
 
     # ------------------------------------------------------------------------------------------ processes & mesh
     @override
@@ -189,6 +197,13 @@ class HybridStrategy(ModelParallelStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         self._precision_plugin = serving_plugin(plugin)
+
+    @override
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        # Clipping reduces its norm over the pipeline on this device, the one NCCL needs, also where a rank holds no
+        # gradient (a frozen stage) or holds them in CPU memory (offload).
+        self.precision_plugin.device = self.root_device  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------------------------------------- setup
     @override

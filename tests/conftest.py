@@ -65,7 +65,8 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> ReferenceFn:
 
 #: Layouts × strategy options of :func:`meta_init_runs`: a meta-device GPT (4 blocks) materialized by the strategy,
 #: with activation checkpointing modes and CPU offload, under tensor × data and tensor × pipeline parallelism (and,
-#: with the first dp2 × tp2 entry, ``loss_parallel``).
+#: with the first dp2 × tp2 entry, ``loss_parallel``; with the last tp2 × pp2 entry, built under
+#: ``trainer.init_module(empty_init=True)``).
 META_INIT_LAYOUTS: dict[str, tuple[list[str | int], list[dict[str, Any]]]] = {
     "dp2_tp2": (
         ["--dp", 2, "--tp", 2, "--devices", 4],
@@ -78,6 +79,8 @@ META_INIT_LAYOUTS: dict[str, tuple[list[str | int], list[dict[str, Any]]]] = {
         [
             {"pp_schedule": "interleaved_1f1b", "microbatches": 4, "activation_checkpointing": 2},
             {"pp_schedule": "interleaved_zero_bubble", "offload": True, "activation_checkpointing": "every"},
+            # Built in the module's __init__ under trainer.init_module(empty_init=True) instead of configure_model.
+            {"module": {"init": "init_module"}},
         ],
     ),
 }

@@ -53,8 +53,8 @@ What is saved (``torch.save`` on global rank 0)
 ``replica_max_abs_diff``  largest difference between ranks that hold the same parameter (0 when replicas and
                   gathered shards agree; a diagnostic for replicas that drifted apart).
 ``hook_calls``, ``grads_after_backward``, ``learning_rates``  how often ``on_before_backward``,
-                  ``on_after_backward`` and ``on_before_optimizer_step`` fired (rank 0), whether every parameter had
-                  a gradient in ``on_after_backward``, and the learning rate at each optimizer step.
+                  ``on_after_backward`` and ``on_before_optimizer_step`` fired (rank 0), whether every trained
+                  parameter had a gradient in ``on_after_backward``, and the learning rate at each optimizer step.
 ``initial_params``  the full state dict when training starts (after the strategy initialized the model).
 ``rank_linear_calls``  per rank, how many times an ``nn.Linear`` ran during fit (activation checkpointing's
                   recomputation calls a block's layers again in backward); not counted under ``torch.compile``.
@@ -235,7 +235,8 @@ class RecordCallback(pl.Callback):
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.hook_calls["on_after_backward"] += 1
-        self.grads_after_backward.append(all(p.grad is not None for p in pl_module.parameters()))
+        trained = [p for p in pl_module.parameters() if p.requires_grad]  # a frozen parameter never has one
+        self.grads_after_backward.append(all(p.grad is not None for p in trained))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.hook_calls["on_before_optimizer_step"] += 1
@@ -315,6 +316,19 @@ class RecordCallback(pl.Callback):
                 else:
                     merged[name] = tensor
         return merged, replica_max_abs_diff
+
+
+def _lightning_module(args: argparse.Namespace, trainer: pl.Trainer) -> pl.LightningModule:
+    """The module to fit. ``init="init_module"``: built eagerly in ``__init__``, but under Lightning's
+    ``trainer.init_module(empty_init=True)``, so on the meta device (the strategy materializes it)."""
+    if args.user_parallel:
+        return UserParallelModule(args.model, seed=args.seed)
+    config = {} if args.layers is None else {LAYERS_FIELD[args.model]: args.layers}
+    kwargs = {"init": args.init, **args.module_kwargs}
+    if kwargs["init"] != "init_module":
+        return build_module(args.model, seed=args.seed, config=config, **kwargs)
+    with trainer.init_module(empty_init=True):
+        return build_module(args.model, seed=args.seed, config=config, **{**kwargs, "init": "eager"})
 
 
 class UserParallelModule(LMLightningModule):
@@ -490,9 +504,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=64, help="training sequences")
     parser.add_argument("--num-val-samples", type=int, default=16, help="validation sequences")
     parser.add_argument("--seed", type=int, default=42, help="model initialisation seed")
-    parser.add_argument("--init", choices=("eager", "meta", "per_module"), default="eager",
-                        help="build the model eagerly in __init__, on the meta device in configure_model, or eagerly"
-                             " in configure_model followed by init_weights (see tests/models.py)")
+    parser.add_argument("--init", choices=("eager", "meta", "per_module", "init_module"), default="eager",
+                        help="build the model eagerly in __init__, on the meta device in configure_model, eagerly"
+                             " in configure_model followed by init_weights (see tests/models.py), or in __init__"
+                             " under trainer.init_module(empty_init=True) (on the meta device)")
     parser.add_argument("--layers", type=int, default=None, help="number of blocks (the model's default if unset)")
     parser.add_argument("--precision", default="32-true", help="Lightning precision flag")
     parser.add_argument("--gradient-clip-val", type=float, default=GRADIENT_CLIP_VAL)
@@ -633,12 +648,6 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
                                      "module_kwargs": module_kwargs,
                                      "checkpoint_dir": Path(checkpoint_dir) if checkpoint_dir else None})
 
-    config = {} if args.layers is None else {LAYERS_FIELD[args.model]: args.layers}
-    module = (
-        UserParallelModule(args.model, seed=args.seed)
-        if args.user_parallel
-        else build_module(args.model, seed=args.seed, config=config, **{"init": args.init, **args.module_kwargs})
-    )
     train, val = make_dataloaders(args)
     compiled = bool(args.module_kwargs.get("compile_blocks") or {**args.strategy_kwargs, **sweep_entry}.get("compile"))
     recorder = RecordCallback(count_linear_calls=not compiled)
@@ -674,6 +683,7 @@ def train_once(args: argparse.Namespace, sweep_entry: dict[str, Any], out: Path,
         callbacks=callbacks,
     )
     checkpoint_seconds = _time_checkpoint_io(trainer.strategy)
+    module = _lightning_module(args, trainer)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.ckpt_path)
     resumed_from = Path(trainer.ckpt_path) if trainer.ckpt_path else None  # "last" resolved; test() resets it
     decisions = _gather_to_rank0({

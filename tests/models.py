@@ -435,6 +435,8 @@ class LMLightningModule(pl.LightningModule):
             compile twice.
         sync_loss: ``False`` logs ``train_loss`` without ``sync_dist`` (each rank's own value: the global one without
             data parallelism), the other path through Lightning's result collection.
+        freeze: Name prefixes (relative to the built model, e.g. ``"blocks.0"``) of parameters built with
+            ``requires_grad=False``: fine-tuning part of a model, or a pipeline stage without any gradient.
     """
 
     def __init__(
@@ -451,6 +453,7 @@ class LMLightningModule(pl.LightningModule):
         pretrained: str | None = None,
         compile_blocks: bool = False,
         sync_loss: bool = True,
+        freeze: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -467,6 +470,13 @@ class LMLightningModule(pl.LightningModule):
             self.model = self._build()
 
     def _build(self) -> nn.Module:
+        model = self._build_model()
+        for name, parameter in model.named_parameters():
+            if name.startswith(tuple(self.hparams.freeze)):
+                parameter.requires_grad_(False)
+        return model
+
+    def _build_model(self) -> nn.Module:
         model, config = self.hparams.model, self.hparams.config or {}
         if model == "gpt":
             return self._compiled(TinyGPT(GPTConfig(**config)))

@@ -133,7 +133,7 @@ class ParallelMonitor(pl.Callback):
         self._counter: Optional[StepCounter] = None
         self._profile: Optional[CommunicationProfile] = None
         self._measured: dict[str, Any] = {}
-        self._grad_norm: Optional[float] = None
+        self._grad_norm: Optional[Tensor] = None  # on the device; read back only where it is logged
         self._peak_warned = False
         self._progress = ProgressFigures()
 
@@ -188,8 +188,8 @@ class ParallelMonitor(pl.Callback):
         if batches_to_log < trainer.accumulate_grad_batches:
             pipeline = getattr(trainer.strategy, "pipeline", None)
             group, elsewhere = (pipeline.pp_group, pipeline.counted_elsewhere()) if pipeline is not None else (None, ())
-            self._grad_norm = float(total_grad_norm(pl_module.parameters(), pipeline_group=group,
-                                                    counted_elsewhere=elsewhere))
+            self._grad_norm = total_grad_norm(pl_module.parameters(), pipeline_group=group, counted_elsewhere=elsewhere,
+                                              device=trainer.strategy.root_device)
 
     def _add_to_window(self, trainer: pl.Trainer, batch: Any, elapsed: float, every: int) -> None:
         samples, tokens = batch_size(batch), self.batch_tokens(batch)
@@ -249,7 +249,7 @@ class ParallelMonitor(pl.Callback):
         metrics["memory/peak_gib_min"] = min(peaks) / 2**30
         metrics["memory/peak_max_rank"] = float(peaks.index(max(peaks)))
         if grad_norm is not None:
-            metrics["grad_norm"] = grad_norm
+            metrics["grad_norm"] = float(grad_norm)  # the one host read of the norm: rank 0, when it logs
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

@@ -2,7 +2,8 @@
 position ids, a norm's ``torch.ones`` — recorded during construction, recomputed one tensor at a time later.
 
 Building a model under ``torch.device("meta")`` runs every ``__init__`` but keeps no values, and ``to_empty``
-then leaves garbage. While the LightningModule's ``configure_model`` runs, :func:`recording_construction`
+then leaves garbage. While the LightningModule's ``configure_model`` runs, or the model is built under
+``trainer.init_module(empty_init=True)`` (the strategy's ``tensor_init_context``), :func:`recording_construction`
 records every aten operator that produces or writes a meta tensor (a dispatch mode: it sees ``torch.arange``,
 ``1 / theta ** x``, ``triu_``, in-place writes through views). :func:`recorded_values` then gives, for each
 parameter or buffer, a function recomputing its value on the CPU by replaying only the operators its storage
@@ -66,22 +67,36 @@ class _Recorder(TorchDispatchMode):
         return result
 
 
-_recordings: list[_Recorder] = []  # the latest recording, until recorded_values() reads it
+#: Recordings that saw meta tensors, oldest first, until recorded_values() reads them. All are kept, not the
+#: latest: a model built under ``trainer.init_module(empty_init=True)`` is followed by Lightning's call of
+#: ``configure_model`` (a second recording, empty unless it builds more). Ops are matched to tensors by storage
+#: identity, so a stale recording of another model adds nothing to this one's recipes.
+_recordings: list[_Recorder] = []
 
 
 @contextlib.contextmanager
 def recording_construction() -> Iterator[None]:
-    """Record what the model built inside computes on the meta device (see the module docstring)."""
+    """Record what the model built inside computes on the meta device (see the module docstring).
+
+    Example::
+
+        with recording_construction(), torch.device("meta"):
+            model = build()
+    """
     recorder = _Recorder()
-    _recordings[:] = [recorder]
-    with recorder:
-        yield
+    try:
+        with recorder:
+            yield
+    finally:
+        if recorder.log:  # an empty one (an eager build, a configure_model that returns early) is not kept
+            _recordings.append(recorder)
 
 
 def recorded_values(module: nn.Module) -> dict[str, Callable[[], Tensor]]:
     """``{name: recompute}`` for each meta-device parameter or buffer of ``module`` (names relative to it) whose
-    value the latest :func:`recording_construction` can recompute exactly; consumes that recording."""
-    log = _recordings.pop().log if _recordings else []
+    value the recordings of :func:`recording_construction` can recompute exactly; consumes them."""
+    log = [op for recorder in _recordings for op in recorder.log]
+    _recordings.clear()
     writers: dict[StorageWeakRef, list[int]] = {}
     for index, op in enumerate(log):
         for storage in op.writes:

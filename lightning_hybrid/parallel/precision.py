@@ -15,7 +15,8 @@ precision         sharded parameters      compute / gather   gradient reduction 
 Gradient clipping by norm must see every gradient of the model. Tensor-parallel parameters are DTensors on the
 data × tensor mesh while the rest live on the data mesh only, and ``torch.nn.utils.clip_grad_norm_`` refuses to
 combine norms from different meshes (torch issue 180346), so :func:`clip_grad_norm_` computes one norm per mesh
-and combines them.
+and combines them. The norm stays on the device from the per-mesh norms through the pipeline's all-reduce (on the
+strategy's device, the plugin's ``device``) to the scaling: clipping never waits for the device.
 """
 
 from __future__ import annotations
@@ -37,30 +38,33 @@ from lightning_hybrid.options import SUPPORTED_PRECISION
 
 def total_grad_norm(
     parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pipeline_group: Optional[dist.ProcessGroup] = None,
-    counted_elsewhere: Container[int] = (),
+    counted_elsewhere: Container[int] = (), device: Optional[torch.device] = None,
 ) -> torch.Tensor:
-    """The ``norm_type`` norm of all gradients of the model, over every mesh (and pipeline stage); a CPU scalar.
+    """The ``norm_type`` norm of all gradients of the model, over every mesh (and pipeline stage): a scalar tensor
+    on the gradients' device, on ``device`` when it is combined over ``pipeline_group``. Nothing here reads a value
+    back to the host (``float(norm)`` does: call it only where the number is needed, e.g. logging).
 
     Works when parameters are spread over several device meshes (and plain tensors): the per-mesh norms are
     computed by DTensor, which reduces over each mesh, and combined here. With pipeline stages, each rank holds
-    other parameters, so the norms of all ranks of ``pipeline_group`` are combined too. Every rank of the mesh
-    must call it (it communicates). A parameter held by several stages (a tied weight) counts once: the ranks that
-    do not count it pass its ``id`` in ``counted_elsewhere``.
+    other parameters, so the norms of all ranks of ``pipeline_group`` are combined too, on ``device``: pass the
+    device the strategy computes on, the one its collectives need (NCCL refuses a CPU tensor), which a rank
+    holding no gradient (a frozen stage) or holding them in CPU memory (offload) cannot tell from its gradients.
+    Every rank of the mesh must call it (it communicates). A parameter held by several stages (a tied weight)
+    counts once: the ranks that do not count it pass its ``id`` in ``counted_elsewhere``.
 
     Example::
 
-        norm = total_grad_norm(module.parameters(), pipeline_group=pp_mesh.get_group())
+        norm = total_grad_norm(module.parameters(), pipeline_group=pp_mesh.get_group(), device=torch.device("cuda", 0))
     """
     with_grads = [p for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
-    if not with_grads and pipeline_group is None:
-        return torch.tensor(0.0)
+    here = with_grads[0].grad.device if with_grads else device or torch.device("cpu")
     norms = []
     for group in _by_mesh(with_grads).values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms] or [torch.zeros(())]), ord=norm_type)
-    if pipeline_group is not None:
-        total = _combine_over_stages(total, norm_type, pipeline_group, with_grads)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().to(here))
+    total = torch.linalg.vector_norm(torch.stack(norms), ord=norm_type) if norms else torch.zeros((), device=here)
+    if pipeline_group is not None:  # a no-op move on the compute device; offloaded (CPU) gradients' norm goes there
+        total = _combine_over_stages(total.to(device or here), norm_type, pipeline_group)
     return total
 
 
@@ -70,11 +74,17 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     pipeline_group: Optional[dist.ProcessGroup] = None,
     counted_elsewhere: Container[int] = (),
+    device: Optional[torch.device] = None,
 ) -> torch.Tensor:
     """Clip gradients in place to a total ``norm_type`` norm of ``max_norm``; returns the total norm
-    (:func:`total_grad_norm`)."""
+    (:func:`total_grad_norm`). The scaling runs where the gradients are: no host synchronization.
+
+    Example::
+
+        clip_grad_norm_(module.parameters(), 1.0, pipeline_group=pp_group, device=strategy.root_device)
+    """
     parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type, pipeline_group, counted_elsewhere)
+    total = total_grad_norm(parameters, norm_type, pipeline_group, counted_elsewhere, device)
     for group in _by_mesh([p for p in parameters if p.grad is not None]).values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
@@ -88,17 +98,15 @@ def _by_mesh(parameters: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]
     return by_mesh
 
 
-def _combine_over_stages(
-    local: torch.Tensor, norm_type: float, group: dist.ProcessGroup, parameters: list[torch.Tensor]
-) -> torch.Tensor:
-    device = parameters[0].device if parameters else local.device
+def _combine_over_stages(local: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every stage's norm combined; ``local`` stays on its device (the collective's), so the host never waits."""
     if math.isinf(norm_type):
-        combined = local.to(device)
+        combined = local.clone()
         dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=group)
-        return combined.cpu()
-    powered = local.double().to(device) ** norm_type  # double: the sum must not round differently per stage count
+        return combined
+    powered = local.double() ** norm_type  # double: the sum must not round differently per stage count
     dist.all_reduce(powered, group=group)
-    return (powered ** (1.0 / norm_type)).float().cpu()
+    return (powered ** (1.0 / norm_type)).float()
 
 
 class _MeshClipping:
@@ -107,12 +115,14 @@ class _MeshClipping:
     #: Set by the strategy when pp > 1 (a :class:`~lightning_hybrid.pipeline.runtime.Pipeline`): the norm adds up
     #: over the stages of the pipeline, each tied weight once.
     pipeline: Optional[Any] = None
+    #: Set by the strategy at setup: the device it computes on, where the norm is reduced over the pipeline.
+    device: Optional[torch.device] = None
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         pipeline = self.pipeline
         group, elsewhere = (pipeline.pp_group, pipeline.counted_elsewhere()) if pipeline is not None else (None, ())
         clip_grad_norm_(self.main_params(optimizer), clip_val, pipeline_group=group,  # type: ignore[attr-defined]
-                        counted_elsewhere=elsewhere)
+                        counted_elsewhere=elsewhere, device=self.device)
 
 
 class HybridPrecision(_MeshClipping, Precision):

@@ -3,14 +3,20 @@ initialization with the same seed (``lightning_hybrid.parallel.initialization``)
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import pytest
 import torch
-from torch import nn
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
+from lightning_hybrid import HybridStrategy
 from lightning_hybrid.parallel.initialization import init_weights, materialize_meta_module, module_seed
 from tests.conftest import META_INIT_LAYERS, ReferenceFn
 from tests.helpers import assert_equivalent
-from tests.models import GPTConfig, LlamaConfig, TinyGPT, TinyLlama
+from tests.models import GPTConfig, LlamaConfig, RandomTokenDataset, TinyGPT, TinyLlama, build_module
 
 RTOL = 1e-5
 
@@ -101,3 +107,54 @@ def test_meta_model_materialized_per_rank_equals_single_device_init(
             torch.testing.assert_close(result["initial_params"][name], tensor, rtol=0, atol=0, msg=name)
         # ... and the same training from there.
         assert_equivalent(reference, result, rtol=RTOL)
+
+
+class _States(Callback):
+    """The module's state when training starts (after the strategy materialized it) and when it ends."""
+
+    def __init__(self) -> None:
+        self.start: dict[str, Tensor] = {}
+        self.end: dict[str, Tensor] = {}
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.start = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.end = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def _fit_meta_llama(where: str) -> tuple[_States, list[str]]:
+    """Two steps of a TinyLlama built on the meta device ``where`` Lightning documents it: in ``configure_model``
+    or under ``trainer.init_module(empty_init=True)``; returns its states and every warning's text."""
+    states = _States()
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(monitor=False), max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[states])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if where == "init_module":
+            with trainer.init_module(empty_init=True):
+                module: Any = build_module("llama", init="eager")
+            assert {p.device.type for p in module.parameters()} == {"meta"}
+        else:
+            module = build_module("llama", init="meta")
+        trainer.fit(module, DataLoader(RandomTokenDataset(8, seed=1), batch_size=4))
+    return states, [str(w.message) for w in caught]
+
+
+@pytest.mark.usefixtures("one_process_fit")
+def test_a_model_built_under_init_module_equals_one_built_in_configure_model_and_neither_warns() -> None:
+    under_init_module, warned = _fit_meta_llama("init_module")
+    in_configure_model, warned_too = _fit_meta_llama("configure_model")
+    # Lightning warns that init_module "cannot fully support" a strategy that overrides model_sharded_context.
+    assert not [w for w in warned + warned_too if "init_module" in w or "configure_model" in w], warned + warned_too
+    # RMSNorm's torch.ones (no reset_parameters) is recomputed from the recorded construction, both ways ...
+    norms = [k for k in under_init_module.start if k.endswith("norm.weight")]
+    assert len(norms) == 2 * 2 + 1 and all(torch.equal(under_init_module.start[k], torch.ones(32)) for k in norms)
+    # ... and the whole model starts and trains bit for bit alike.
+    for start_or_end in ("start", "end"):
+        a, b = getattr(under_init_module, start_or_end), getattr(in_configure_model, start_or_end)
+        assert a.keys() == b.keys()
+        for name, tensor in a.items():
+            torch.testing.assert_close(tensor, b[name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(under_init_module.end["model.output.weight"], under_init_module.start["model.output.weight"])

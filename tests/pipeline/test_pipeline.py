@@ -20,6 +20,7 @@ from lightning_hybrid.options import HybridOptions
 from lightning_hybrid.pipeline.schedules import SCHEDULES, PipelineSchedule
 from lightning_hybrid.pipeline.semantics import check_batch, combine_logs
 from tests.conftest import CHECKPOINTED_LAYERS, ReferenceFn
+from tests.equivalence import GRADIENT_CLIP_VAL
 from tests.helpers import SHORT_RUN, SHORT_STEPS, assert_equivalent, cached_runs, run_script, run_sweep, scalars
 from tests.models import MODEL_NAMES, PIPELINE_MODEL_NAMES
 
@@ -154,11 +155,12 @@ def pp2_runs(tmp_path_factory: pytest.TempPathFactory):
     fits is bound by their steps."""
 
     def run(model: str, folder: Path) -> dict[str, dict]:
-        names = [*SCHEDULES, *(list(AUTO_ENTRIES) if model == "gpt" else [])]
+        extra = {**AUTO_ENTRIES, "frozen_stage": FROZEN_STAGE_ENTRY} if model == "gpt" else {}
+        names = [*SCHEDULES, *extra]
         results = run_sweep(
             ["--model", model, "--pp", 2, "--devices", 2, "--layers", LAYERS, *SHORT_RUN,
              "--tensorboard", folder / "tb", "--out", folder / "run.pt"],
-            [AUTO_ENTRIES[name] if name in AUTO_ENTRIES else _pp2_entry(model, name) for name in names],
+            [extra[name] if name in extra else _pp2_entry(model, name) for name in names],
         )
         for index, result in enumerate(results):
             result["tensorboard"] = folder / "tb" / str(index) / "version_0"
@@ -193,6 +195,34 @@ def test_auto_layout_chooses_by_memory_and_trains_like_the_reference(reference_r
     probed = pp2_runs("gpt")["auto_probed"]
     assert probed["auto_layout"].startswith(("dp1 tp2 pp1 acc2 ", "dp1 tp1 pp2 acc2 "))
     assert_equivalent(reference, probed, rtol=RTOL)
+
+
+#: The GPT's first pipeline stage (1F1B, 4 blocks: embeddings and blocks 0-1 on rank 0) frozen: rank 0 holds no
+#: gradient, yet clipping (on, in every harness run) takes the norm over both stages, and it still joins the
+#: pipeline group's all-reduce of it.
+FROZEN_STAGE = ["tok_emb", "pos_emb", "blocks.0.", "blocks.1."]
+FROZEN_STAGE_ENTRY = {"pp_schedule": "1f1b", "module": {"freeze": FROZEN_STAGE}}
+
+
+@pytest.mark.slow
+def test_a_frozen_stage_clips_and_trains_like_the_reference(pp2_runs, tmp_path: Path) -> None:
+    reference = run_script(["--model", "gpt", "--reference", "--devices", 1, "--layers", LAYERS, *SHORT_RUN,
+                            "--module-kwargs", json.dumps({"freeze": FROZEN_STAGE}), "--out", tmp_path / "ref.pt"])
+    result = pp2_runs("gpt")["frozen_stage"]
+    assert_equivalent(reference, result, rtol=RTOL)
+    # Clipping acted on every step (the norm of stage 1's gradients above the harness's clip value).
+    assert min(reference["grad_norms"]) > GRADIENT_CLIP_VAL
+    frozen = [name for name in reference["params"] if name.startswith(tuple(f"model.{p}" for p in FROZEN_STAGE))]
+    assert len(frozen) == 2 + 2 * 10  # 2 embeddings; per block 2 LayerNorms, qkv, proj, fc_in, fc_out (+ biases)
+    # Rank 0 holds exactly the frozen parameters: its stage has no gradient at all ...
+    assert result["rank_parameter_counts"][0] == sum(reference["params"][name].numel() for name in frozen)
+    for name in frozen:  # ... and kept its initial values
+        assert torch.equal(result["params"][name], reference["initial_params"][name]), name
+    # The monitor's norm, taken over both stages (rank 0 adding nothing), equals the single process's.
+    logged = scalars(result["tensorboard"])["grad_norm"]
+    assert len(logged) == SHORT_STEPS
+    assert [norm for _, norm in logged] == pytest.approx([reference["grad_norms"][step - 1] for step, _ in logged],
+                                                         rel=RTOL)
 
 
 def _pp2_entry(model: str, schedule: str) -> dict:
