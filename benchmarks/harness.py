@@ -86,27 +86,26 @@ def launch_ranks(script: Path, args: Sequence[str | int | os.PathLike[str]], wor
     wait for all of them, and return what each saved with :func:`save_rank_result` (``suffix`` ``.json`` or
     ``.pt``: how it is written). Raises ``tests.helpers.ScriptError`` with the ranks' log tails if one fails, times
     out or saves nothing."""
-    from tests.helpers import launch_and_wait
-
-    with tempfile.TemporaryDirectory(prefix=f"{Path(script).stem}-") as folder:
-        out = Path(folder) / f"result{suffix}"
-        command = [*map(str, args), "--devices", str(world), "--out", str(out)]
-        expected = [rank_result_path(out, rank) for rank in range(world)]
-        wall_s = launch_and_wait(command, expected, timeout_s, script=Path(script).resolve())
-        return Launch([_load(path) for path in expected], wall_s)
+    return _launch(script, args, world, timeout_s, suffix, per_rank=True)
 
 
 def launch_saved_once(script: Path, args: Sequence[str | int | os.PathLike[str]], world: int,
                       timeout_s: float = DEFAULT_TIMEOUT_S, suffix: str = ".pt") -> Any:
     """Like :func:`launch_ranks` for a script whose ranks save one result together to ``--out`` (rank 0 writes it:
     the test suite's rank scripts, ``torch.save``; ``suffix=".json"`` for JSON); returns it."""
+    return _launch(script, args, world, timeout_s, suffix, per_rank=False).ranks[0]
+
+
+def _launch(script: Path, args: Sequence[str | int | os.PathLike[str]], world: int, timeout_s: float, suffix: str,
+            per_rank: bool) -> Launch:
     from tests.helpers import launch_and_wait
 
     with tempfile.TemporaryDirectory(prefix=f"{Path(script).stem}-") as folder:
         out = Path(folder) / f"result{suffix}"
         command = [*map(str, args), "--devices", str(world), "--out", str(out)]
-        launch_and_wait(command, [out], timeout_s, script=Path(script).resolve())
-        return _load(out)
+        expected = [rank_result_path(out, rank) for rank in range(world)] if per_rank else [out]
+        wall_s = launch_and_wait(command, expected, timeout_s, script=Path(script).resolve())
+        return Launch([_load(path) for path in expected], wall_s)
 
 
 # ================================================================================================ rounds
