@@ -42,8 +42,8 @@ medians and ratios over alternating rounds, the theoretical minimum communicatio
 
 Usage::
 
-    python benchmarks/compare.py                    # the 9 two-rank pairs, 3 rounds (about 9 minutes on 2 cores)
-    python benchmarks/compare.py --quick            # one round, 5 timed steps (about 3 minutes)
+    python benchmarks/compare.py                    # the 9 two-rank pairs, 3 rounds (a few minutes on 2 cores)
+    python benchmarks/compare.py --quick            # one round, 5 timed steps (under a minute)
     python benchmarks/compare.py --pairs manual-dp2,manual-pp2 --rounds 5
     python benchmarks/compare.py --list             # pair names (including the oversubscribed 4-rank ones)
     python benchmarks/compare.py --json out.json    # also every launch's raw numbers

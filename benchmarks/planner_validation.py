@@ -245,20 +245,10 @@ def calibrated_cluster(world: int, flops: float, bandwidth: float, latency: floa
 
 
 # ================================================================================================ step time
-def step_worker(run: Run, steps: int, out: Path) -> None:
-    """One rank of a measured layout: train, time every optimizer step, save this rank's times."""
-    import logging
-
+def make_step_clock(k: int) -> Any:
+    """A callback timing each optimizer step of ``k`` accumulated batches (defined on first use: the parent never
+    imports Lightning)."""
     import lightning.pytorch as pl
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_hybrid import HybridStrategy
-    from recipes.gpt import GPTLightning
-
-    warnings.simplefilter("ignore")  # Lightning's advice about dataloader workers and logging on tiny runs
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    k = run.accumulate
 
     class StepClock(pl.Callback):
         """Times of each optimizer step's first batch start, its optimizer hook and its last batch end."""
@@ -283,6 +273,14 @@ def step_worker(run: Run, steps: int, out: Path) -> None:
                 self.ends.append(time.perf_counter())
                 self.cpu_ends.append(time.process_time())
 
+    return StepClock()
+
+
+def make_compute_probe() -> Any:
+    """A callback probing this rank's matmul FLOP/s before the first step and after the last."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
     class ComputeProbe(pl.Callback):
         """``peak_flops`` of this rank, measured in the run before the first step and after the last: all ranks
         leave a barrier and run :func:`measure_matmul_flops`; FLOPs ÷ the time from the barrier to the rank's end
@@ -304,11 +302,28 @@ def step_worker(run: Run, steps: int, out: Path) -> None:
         def on_train_end(self, trainer: Any, module: Any) -> None:
             self._probe()
 
+    return ComputeProbe()
+
+
+def step_worker(run: Run, steps: int, out: Path) -> None:
+    """One rank of a measured layout: train, time every optimizer step, save this rank's times."""
+    import logging
+
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hybrid import HybridStrategy
+    from recipes.gpt import GPTLightning
+
+    warnings.simplefilter("ignore")  # Lightning's advice about dataloader workers and logging on tiny runs
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    k = run.accumulate
     torch.manual_seed(0)
     module = GPTLightning(CONFIG, max_steps=steps)
     tokens = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH * steps, CONFIG.block_size + 1))
     data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    clock, probe = StepClock(), ComputeProbe()
+    clock, probe = make_step_clock(k), make_compute_probe()
     trainer = pl.Trainer(
         accelerator="cpu", devices=run.world, strategy=HybridStrategy(**run.strategy, monitor=False),
         precision=PRECISION, max_steps=steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
