@@ -64,11 +64,12 @@ def worker(rank: int, results: Any, args: argparse.Namespace, folder: str) -> No
     warnings.filterwarnings("ignore")
     # torchrun's variables: Lightning then joins the existing process group instead of launching processes.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", NODE_RANK="0")
-    for round_index in range(args.rounds):
-        for mode in MODES if round_index % 2 == 0 else MODES[::-1]:
-            measured = _fit(mode, args, Path(folder) / f"{mode}-{round_index}")
-            if rank == 0:
-                results[f"{mode}-{round_index}"] = measured
+    from benchmarks.harness import alternating
+
+    for round_index, mode in alternating(MODES, args.rounds):
+        measured = _fit(mode, args, Path(folder) / f"{mode}-{round_index}")
+        if rank == 0:
+            results[f"{mode}-{round_index}"] = measured
 
 
 def main() -> None:
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
 
+    from benchmarks.harness import markdown_table
     from tests.helpers import on_ranks
 
     with tempfile.TemporaryDirectory() as folder:
@@ -88,12 +90,12 @@ def main() -> None:
     fit = {mode: statistics.median(results[f"{mode}-{i}"]["fit_s"] for i in range(args.rounds)) for mode in MODES}
     print(f"dp2 on 2 CPU processes, GPT embed {args.embed_dim} x {args.layers} blocks, {args.steps} steps, a save"
           f" every {args.every} ({saves} saves), {args.rounds} rounds; medians over rounds")
-    print("| mode | seconds inside save_checkpoint (median of saves) | fit seconds | stall per save, seconds |")
-    print("| --- | --- | --- | --- |")
-    print(f"| no saves | - | {fit['none']:.2f} | - |")
+    rows = [["no saves", "-", f"{fit['none']:.2f}", "-"]]
     for mode in ("sync", "async"):
         inside = statistics.median(s for i in range(args.rounds) for s in results[f"{mode}-{i}"]["save_s"])
-        print(f"| {mode} | {inside:.3f} | {fit[mode]:.2f} | {(fit[mode] - fit['none']) / saves:.3f} |")
+        rows.append([mode, f"{inside:.3f}", f"{fit[mode]:.2f}", f"{(fit[mode] - fit['none']) / saves:.3f}"])
+    print(markdown_table(["mode", "seconds inside save_checkpoint (median of saves)", "fit seconds",
+                          "stall per save, seconds"], rows))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from benchmarks.harness import markdown_table
 from lightning_hybrid.options import default_zero_level
 from lightning_hybrid.plan.layout import CHECKPOINTING, Layout, parse_layout
 
@@ -103,13 +104,11 @@ def main() -> None:
     print(f"## tp='auto', pp='auto' on {args.devices} CPU processes: chose {chosen['layout']}"
           f" (measured fastest: {fastest['layout']})\n\nWhy: {chosen['why'] or '(nothing but the degrees)'}\n")
     # Each run probes the machine again: compare the Why line's ratios (one probe) with the measured ones.
-    print("| layout | predicted memory per device | predicted tokens/s (own probe) | measured tokens/s |"
-          " predicted / measured | measured / chosen's |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for row in sorted(rows, key=lambda row: -row["measured"]):
-        mark = " (chosen, auto run)" if row.get("chosen") else ""
-        print(f"| {row['layout']}{mark} | {row['memory']} | {row['predicted']:,.0f} | {row['measured']:,.0f} |"
-              f" {row['predicted'] / row['measured']:.2f} | {row['measured'] / chosen['measured']:.2f} |")
+    cells = [[f"{row['layout']}{' (chosen, auto run)' if row.get('chosen') else ''}", row["memory"],
+              f"{row['predicted']:,.0f}", f"{row['measured']:,.0f}", f"{row['predicted'] / row['measured']:.2f}",
+              f"{row['measured'] / chosen['measured']:.2f}"] for row in sorted(rows, key=lambda row: -row["measured"])]
+    print(markdown_table(["layout", "predicted memory per device", "predicted tokens/s (own probe)",
+                          "measured tokens/s", "predicted / measured", "measured / chosen's"], cells))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Model and data: ``recipes/gpt.py``'s GPT with ``benchmarks/compare.py``'s :data:
 ``OMP_NUM_THREADS=1`` per rank. Both sides are the same Lightning ``Trainer`` + ``HybridStrategy(monitor=False)``
 and differ only in ``compile=``.
 
-What is measured, per launch (one process per rank, started by Lightning's launcher):
+What is measured, per launch (one process per rank, started by ``benchmarks/harness.py``):
 
 Step time
     From one ``on_train_batch_end`` to the next, after :data:`WARMUP_STEPS` steps; the median over the timed
@@ -28,10 +28,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +40,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.harness import alternating, launch_ranks, markdown_table, median_gap, save_rank_result  # noqa: E402
+
 GLOBAL_BATCH = 8
 WARMUP_STEPS = 2
 TIMED_STEPS = 10
@@ -50,8 +50,14 @@ ROUNDS = 3
 LAYOUTS = {"single": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
 
 
-def worker(layout: str, compile_blocks: bool, steps: int, out: Path) -> None:
-    """One training run (every rank executes this; Lightning's launcher re-runs the script for ranks > 0)."""
+def world_size(layout: str) -> int:
+    return max([1, *LAYOUTS[layout].values()])
+
+
+def worker(layout: str, compile_blocks: bool, steps: int, out: Path, inductor_cache: str) -> None:
+    """One rank of one training run: saves its first-step and median step seconds. ``inductor_cache``: an empty
+    folder of the launch's own, so every launch compiles cold."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache  # read by inductor whenever it looks for its cache
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -67,15 +73,12 @@ def worker(layout: str, compile_blocks: bool, steps: int, out: Path) -> None:
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=GLOBAL_BATCH)
     degrees = LAYOUTS[layout]
     timer = _step_timer()
-    trainer = pl.Trainer(accelerator="cpu", devices=max([1, *degrees.values()]), max_steps=WARMUP_STEPS + steps + 1,
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size(layout), max_steps=WARMUP_STEPS + steps + 1,
                          strategy=HybridStrategy(**degrees, compile=compile_blocks, monitor=False), logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[timer], num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(module, train_dataloaders=data)
-    gathered = trainer.strategy.all_gather(torch.tensor([timer.first_s, timer.median_s()], dtype=torch.float64))
-    if trainer.global_rank == 0:
-        per_rank = gathered.reshape(-1, 2)
-        out.write_text(json.dumps({"first_s": float(per_rank[:, 0].max()), "step_s": float(per_rank[:, 1].max())}))
+    save_rank_result(out, {"first_s": timer.first_s, "step_s": timer.median_s()}, trainer.global_rank)
 
 
 def _step_timer() -> Any:
@@ -98,45 +101,43 @@ def _step_timer() -> Any:
                 self.first_s = self.ends[0] - self.start
 
         def median_s(self) -> float:
-            return statistics.median(b - a for a, b in zip(self.ends[WARMUP_STEPS:], self.ends[WARMUP_STEPS + 1:]))
+            return median_gap(self.ends, WARMUP_STEPS + 1)
 
     return StepTimer()
 
 
 def launch(layout: str, compile_blocks: bool, steps: int) -> dict[str, float]:
-    """Run :func:`worker` in fresh processes with an empty inductor cache; returns rank 0's JSON."""
+    """One launch of :func:`worker` with an empty inductor cache; each figure the largest over ranks."""
     with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "result.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(Path(folder) / "inductor"))
-        command = [sys.executable, __file__, "--worker", layout, "--compile", str(int(compile_blocks)),
-                   "--steps", str(steps), "--out", str(out)]
-        subprocess.run(command, cwd=REPO_ROOT, env=env, check=True, capture_output=True)
-        return json.loads(out.read_text())
+        worker_args = ["--worker", layout, "--compile", int(compile_blocks), "--steps", steps,
+                       "--inductor-cache", Path(folder) / "inductor"]
+        ranks = launch_ranks(Path(__file__), worker_args, world_size(layout)).ranks
+    return {key: max(rank[key] for rank in ranks) for key in ("first_s", "step_s")}
 
 
 def measure(layouts: list[str], rounds: int, steps: int) -> dict[str, dict[bool, list[dict[str, float]]]]:
     """Every layout's two sides, ``rounds`` times, alternating the order round by round."""
     results: dict[str, dict[bool, list[dict[str, float]]]] = {name: {False: [], True: []} for name in layouts}
-    for round_index in range(rounds):
-        order = [(name, side) for name in layouts for side in (False, True)]
-        for name, side in order if round_index % 2 == 0 else reversed(order):
-            results[name][side].append(launch(name, side, steps))
-            print(f"round {round_index + 1} {name} {'compile' if side else 'eager'}: {results[name][side][-1]}",
-                  flush=True)
+    for round_index, (name, side) in alternating([(name, side) for name in layouts for side in (False, True)], rounds):
+        results[name][side].append(launch(name, side, steps))
+        print(f"round {round_index + 1} {name} {'compile' if side else 'eager'}: {results[name][side][-1]}",
+              flush=True)
     return results
 
 
 def report(results: dict[str, dict[bool, list[dict[str, float]]]]) -> None:
-    print(f"\n{'layout':8} {'eager step':>11} {'compiled step':>14} {'speed-up':>9} {'(range)':>14}"
-          f" {'compile time':>13} {'eager 1st-step surplus':>23}")
+    rows = []
     for name, sides in results.items():
         eager, compiled = sides[False], sides[True]
         ratios = [e["step_s"] / c["step_s"] for e, c in zip(eager, compiled)]
-        compile_s = statistics.median(c["first_s"] - c["step_s"] for c in compiled)
-        surplus_s = statistics.median(e["first_s"] - e["step_s"] for e in eager)
-        print(f"{name:8} {statistics.median(e['step_s'] for e in eager) * 1e3:9.1f}ms"
-              f" {statistics.median(c['step_s'] for c in compiled) * 1e3:12.1f}ms {statistics.median(ratios):8.2f}x"
-              f" {min(ratios):6.2f}-{max(ratios):.2f}x {compile_s:12.1f}s {surplus_s:22.2f}s")
+        rows.append([name, f"{statistics.median(e['step_s'] for e in eager) * 1e3:.1f} ms",
+                     f"{statistics.median(c['step_s'] for c in compiled) * 1e3:.1f} ms",
+                     f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f}×)",
+                     f"{statistics.median(c['first_s'] - c['step_s'] for c in compiled):.1f} s",
+                     f"{statistics.median(e['first_s'] - e['step_s'] for e in eager):.2f} s"])
+    print()
+    print(markdown_table(["layout", "eager step", "compiled step", "speed-up (range)", "compile time",
+                          "eager first-step surplus"], rows))
 
 
 def main() -> None:
@@ -146,10 +147,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=TIMED_STEPS, help="timed steps per launch")
     parser.add_argument("--worker", choices=list(LAYOUTS), help=argparse.SUPPRESS)
     parser.add_argument("--compile", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--inductor-cache", help=argparse.SUPPRESS)
+    parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # set by the harness
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, bool(args.compile), args.steps, args.out)
+        worker(args.worker, bool(args.compile), args.steps, args.out, args.inductor_cache)
         return
     report(measure(args.layouts.split(","), args.rounds, args.steps))
 

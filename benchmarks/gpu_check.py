@@ -43,6 +43,7 @@ from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from benchmarks.harness import markdown_table  # noqa: E402
 from lightning_hybrid import HybridStrategy, ParallelMonitor  # noqa: E402
 from recipes.gpt import GPTConfig, GPTLightning  # noqa: E402
 
@@ -152,7 +153,8 @@ def check_cuda_timeline(config: GPTConfig, device: torch.device) -> str:
     busy = sum(a.end - a.start for a in spans)
     verdict = "ok" if ordered and positive and busy <= timeline.duration and len(spans) == 8 else "FAILED"
     return (f"CUDA-event timeline ({'cuda' if device.type == 'cuda' else 'cpu clock'}): {len(spans)} actions"
-            f" ({''.join(a.kind for a in spans)}), busy {1e3 * busy:.2f} of {1e3 * timeline.duration:.2f} ms: {verdict}")
+            f" ({''.join(a.kind for a in spans)}), busy {1e3 * busy:.2f} of {1e3 * timeline.duration:.2f} ms:"
+            f" {verdict}")
 
 
 def main() -> None:
@@ -171,12 +173,12 @@ def main() -> None:
     results = {side: run_side(side, config, args) for side in args.sides}
     print(f"GPT {sum(p.numel() for p in GPTLightning(config).parameters()) / 1e6:.1f}M, batch {args.batch} x"
           f" {config.block_size} tokens, {args.precision}, {args.steps} steps (first excluded)")
-    print("| side | step ms | vs lightning | tokens/s | TFLOP/s | MFU | peak GiB | first step s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     base = results.get("lightning", {}).get("step_ms", float("nan"))
-    for side, r in results.items():
-        print(f"| {side} | {r['step_ms']:.1f} | {r['step_ms'] / base:.3f} | {r['tokens_per_s']:.0f} |"
-              f" {r['tflops']:.1f} | {r['mfu']:.3f} | {r['peak_gib']:.2f} | {r['first_step_s']:.1f} |")
+    rows = [[side, f"{r['step_ms']:.1f}", f"{r['step_ms'] / base:.3f}", f"{r['tokens_per_s']:.0f}",
+             f"{r['tflops']:.1f}", f"{r['mfu']:.3f}", f"{r['peak_gib']:.2f}", f"{r['first_step_s']:.1f}"]
+            for side, r in results.items()]
+    print(markdown_table(["side", "step ms", "vs lightning", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "first step s"],
+                         rows))
     print(check_cuda_timeline(config, device))
 
 

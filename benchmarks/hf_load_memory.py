@@ -1,12 +1,12 @@
 """Host memory of loading a Hugging Face checkpoint into the sharded layout (``HybridStrategy(weights=...)``).
 
 A Llama-style ``LlamaForCausalLM`` of :data:`CONFIG` (245 M parameters, fp32: 0.98 GB of safetensors) is built once
-in this process and written with ``save_pretrained`` (the "published" checkpoint). Then 4 ranks (torchrun, gloo,
-CPU) each build the LightningModule's model on the meta device and run ``trainer.validate`` with
-``HybridStrategy(tp=2, pp=2, weights=...)``: setup splits, shards, materializes and loads. Each rank samples its
-anonymous resident memory (``RssAnon`` in ``/proc/self/status``: the memory-mapped safetensors pages it reads are
-file cache, not counted) every millisecond on a thread and reports, from the moment the driver starts (model on
-meta: nothing allocated) to the moment loading returns:
+in this process and written with ``save_pretrained`` (the "published" checkpoint). Then 4 ranks (started by
+``benchmarks/harness.py``, gloo, CPU) each build the LightningModule's model on the meta device and run
+``trainer.validate`` with ``HybridStrategy(tp=2, pp=2, weights=...)``: setup splits, shards, materializes and
+loads. Each rank samples its anonymous resident memory (``RssAnon`` in ``/proc/self/status``: the memory-mapped
+safetensors pages it reads are file cache, not counted) every millisecond on a thread and reports, from the moment
+the driver starts (model on meta: nothing allocated) to the moment loading returns:
 
 * ``growth``: the peak RSS above the start (shards allocated + whatever loading needs at once);
 * the same split by step: before materializing (tracing, splitting, sharding on meta), materializing (shards
@@ -21,9 +21,6 @@ Run: ``python benchmarks/hf_load_memory.py`` (about 2 minutes on 2 cores; needs 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,6 +29,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.harness import launch_ranks, markdown_table, save_rank_result  # noqa: E402
+
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
               num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
               attn_implementation="eager")
@@ -109,42 +111,37 @@ def run_rank(weights: Path, out: Path) -> None:
     held = [t.to_local() if hasattr(t, "to_local") else t for t in module.state_dict().values()]
     share = sum(t.numel() * t.element_size() for t in held if not t.is_meta)
     driver, load, made = peaks["driver"], peaks["load"], peaks["materialize"]
-    out.write_text(json.dumps({"rank": trainer.global_rank, "share": share, "growth": driver.peak - driver.start,
-                               "before_materialize": made.start - driver.start, "materialized": made.peak - made.start,
-                               "load_growth": load.peak - load.start}))
+    save_rank_result(out, {"rank": trainer.global_rank, "share": share, "growth": driver.peak - driver.start,
+                           "before_materialize": made.start - driver.start, "materialized": made.peak - made.start,
+                           "load_growth": load.peak - load.start}, trainer.global_rank)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", nargs=2, metavar=("WEIGHTS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", metavar="WEIGHTS", help=argparse.SUPPRESS)  # a rank, loading this checkpoint
+    parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # set by the harness: WORLD
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        run_rank(Path(args.worker[0]), Path(args.worker[1]) / f"rank{os.environ['RANK']}.json")
+        run_rank(Path(args.worker), args.out)
         return
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with tempfile.TemporaryDirectory(prefix="hf-load-bench-") as folder:
-        weights, out = Path(folder) / "weights", Path(folder)
+        weights = Path(folder) / "weights"
         model = LlamaForCausalLM(LlamaConfig(**CONFIG))
         parameters = sum(p.numel() for p in model.parameters())
         model.save_pretrained(weights, max_shard_size="200MB")
         del model
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-                   str(Path(__file__).resolve()), "--worker", str(weights), str(out)]
-        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode:
-            raise SystemExit(f"ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        ranks = sorted((json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)), key=lambda r: r["rank"])
+        ranks = launch_ranks(Path(__file__), ["--worker", weights], world=WORLD, timeout_s=1800).ranks
     print(f"LlamaForCausalLM {parameters / 1e6:.0f} M parameters ({4 * parameters / 2**30:.2f} GiB fp32),"
           f" tp2 x pp2 on {WORLD} ranks, torch {torch.__version__}")
-    print("| rank | share MiB | growth MiB (meta -> loaded) | ratio | before materializing | materializing (peak)"
-          " | loading (peak) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in ranks:
-        print(f"| {r['rank']} | {r['share'] / MiB:.0f} | {r['growth'] / MiB:.0f} | {r['growth'] / r['share']:.2f} |"
-              f" {r['before_materialize'] / MiB:.0f} | {r['materialized'] / MiB:.0f} | {r['load_growth'] / MiB:.0f} |")
+    rows = [[r["rank"], f"{r['share'] / MiB:.0f}", f"{r['growth'] / MiB:.0f}", f"{r['growth'] / r['share']:.2f}",
+             f"{r['before_materialize'] / MiB:.0f}", f"{r['materialized'] / MiB:.0f}", f"{r['load_growth'] / MiB:.0f}"]
+            for r in ranks]
+    print(markdown_table(["rank", "share MiB", "growth MiB (meta -> loaded)", "ratio", "before materializing",
+                          "materializing (peak)", "loading (peak)"], rows))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers import run_sweep, scalars  # noqa: E402  (the harness that starts one process per rank)
+from benchmarks.harness import markdown_table  # noqa: E402
+from tests.helpers import run_sweep, scalars  # noqa: E402  (the test launcher: one process per rank)
 
 SETTINGS = ({"loss_parallel": False}, {"loss_parallel": True})
 
@@ -51,12 +52,10 @@ def main() -> None:
         runs = [measured(folder / "tb" / str(index)) for index in range(len(SETTINGS))]
     kinds = sorted({kind for run in runs for kind in run if kind not in ("step_s", "peak_gib")})
     print(f"tp2, GPT (vocabulary 64, sequence 16), {args.global_batch} sequences per batch, {args.steps} steps")
-    print("| loss_parallel | " + " | ".join(f"{kind} KiB per batch" for kind in kinds)
-          + " | step time ms (median) | peak memory MiB |")
-    print("|" + " --- |" * (len(kinds) + 3))
-    for setting, run in zip(SETTINGS, runs):
-        cells = " | ".join(f"{run.get(kind, 0.0) / 1024:.2f}" for kind in kinds)
-        print(f"| {setting['loss_parallel']} | {cells} | {1e3 * run['step_s']:.1f} | {1024 * run['peak_gib']:.1f} |")
+    rows = [[setting["loss_parallel"], *(f"{run.get(kind, 0.0) / 1024:.2f}" for kind in kinds),
+             f"{1e3 * run['step_s']:.1f}", f"{1024 * run['peak_gib']:.1f}"] for setting, run in zip(SETTINGS, runs)]
+    print(markdown_table(["loss_parallel", *(f"{kind} KiB per batch" for kind in kinds), "step time ms (median)",
+                          "peak memory MiB"], rows))
 
 
 if __name__ == "__main__":

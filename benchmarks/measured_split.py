@@ -11,48 +11,33 @@ steps after ``--warmup``.
 
 Usage::
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/measured_split.py
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/measured_split.py --scans 0 0 0 0 0 0 12 12 --microbatches 8
+    python benchmarks/measured_split.py
+    python benchmarks/measured_split.py --scans 0 0 0 0 0 0 12 12 --microbatches 8
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import launch_saved_once, markdown_table  # noqa: E402
 from lightning_hybrid.observe.timeline import timeline_bubble  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "pipeline" / "measured_split.py"
 
 
-def launch(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def launch(args: argparse.Namespace) -> dict[str, Any]:
     """Both fits (measured, then FLOP-balanced) in one 2-rank launch; rank 0's results."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
-    command = [sys.executable, str(SCRIPT), "--splits", "measured", "flops", "--timeline", "--devices", "2",
-               "--scans", *map(str, args.scans), "--dim", str(args.dim), "--seq", str(args.seq), "--batch",
-               str(args.batch), "--steps", str(args.steps), "--microbatches", str(args.microbatches), "--out", str(out)]
-    procs = [subprocess.Popen(command, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT) for r in range(2)]
-    if any(proc.wait() for proc in procs):
-        raise RuntimeError(f"{' '.join(command)} failed")
-    return torch.load(out, weights_only=False)
+    return launch_saved_once(SCRIPT, ["--splits", "measured", "flops", "--timeline", "--scans", *args.scans,
+                                      "--dim", args.dim, "--seq", args.seq, "--batch", args.batch,
+                                      "--steps", args.steps, "--microbatches", args.microbatches], world=2)
 
 
 def measured_figures(run: dict[str, Any], microbatches: int, warmup: int) -> tuple[list[float], float, float]:
@@ -79,25 +64,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as folder:
-        results = launch(args, Path(folder) / "runs.pt")
+    results = launch(args)
     measured = results["measured"]["measured"]
     print(f"pp=2 1f1b, m={args.microbatches}, {args.steps - args.warmup} steps after {args.warmup} warm-up; block scans"
           f" {args.scans}, dim {args.dim}, {args.batch // args.microbatches}×{args.seq} tokens per microbatch")
     print(f"measured costs (ms): before {measured['times']['before'] * 1e3:.2f},"
           f" blocks {_ms(measured['times']['blocks'])}, after {measured['times']['after'] * 1e3:.2f}")
-    print("| split | blocks per stage | predicted stage time (ms) | measured stage time (ms) | predicted bubble"
-          " | measured bubble | step time |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    rows = (("measured", "blocks_per_stage", "stage_seconds", "bubble"),
-            ("flops", "flop_blocks_per_stage", "flop_stage_seconds", "flop_bubble"))
-    for entry, counts, predicted, bubble in rows:
+    rows = []
+    for entry, counts, predicted, bubble in (("measured", "blocks_per_stage", "stage_seconds", "bubble"),
+                                             ("flops", "flop_blocks_per_stage", "flop_stage_seconds", "flop_bubble")):
         run = results[entry]
         assert run["blocks_per_stage"][0] == measured[counts]  # the FLOP fit adopted the split predicted for it
         stages, measured_bubble, step_s = measured_figures(run, args.microbatches, args.warmup)
-        name = "measured time" if entry == "measured" else "traced FLOPs"
-        print(f"| {name} | {measured[counts]} | {_ms(measured[predicted])} | {_ms(stages)} | {measured[bubble]:.3f}"
-              f" | {measured_bubble:.3f} | {step_s * 1e3:.0f} ms |")
+        rows.append(["measured time" if entry == "measured" else "traced FLOPs", measured[counts],
+                     _ms(measured[predicted]), _ms(stages), f"{measured[bubble]:.3f}", f"{measured_bubble:.3f}",
+                     f"{step_s * 1e3:.0f} ms"])
+    print(markdown_table(["split", "blocks per stage", "predicted stage time (ms)", "measured stage time (ms)",
+                          "predicted bubble", "measured bubble", "step time"], rows))
 
 
 if __name__ == "__main__":

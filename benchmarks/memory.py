@@ -3,8 +3,8 @@ activations of one training step, each printed next to what theory says it shoul
 
 Model: ``recipes/gpt.py``'s GPT with :data:`CONFIG` (4 blocks, width 128, 4 heads, vocabulary 64, sequence 64:
 817,920 parameters), fp32 (``precision="32-true"``), AdamW, a global batch of :data:`GLOBAL_BATCH` sequences of
-random tokens, :data:`STEPS` training steps. One launch per layout, one process per rank (gloo, CPU); every rank
-writes its numbers to JSON and the parent prints the table.
+random tokens, :data:`STEPS` training steps. One launch per layout, one process per rank (gloo, CPU, started by
+``benchmarks/harness.py``); every rank writes its numbers to JSON and the parent prints the table.
 
 Model states (measured on step 2, in ``on_before_optimizer_step``)
     Lightning's automatic optimization runs ``optimizer.step(closure)``; the closure does forward, zero_grad and
@@ -94,10 +94,7 @@ import contextlib
 import functools
 import inspect
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -114,6 +111,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.harness import launch_ranks, markdown_table, save_rank_result  # noqa: E402
 from recipes.gpt import GPTConfig  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -589,12 +587,11 @@ def _fit_and_measure(layout: Layout) -> dict[str, Any]:
     return result
 
 
-def run_rank(layout: Layout, out_dir: Path) -> None:
-    """One rank of a launch: measure, write ``rank<N>.json``, close the process group."""
+def run_rank(layout: Layout, out: Path) -> None:
+    """One rank of a launch: measure, save this rank's result, close the process group."""
     import torch.distributed as dist
 
-    result = fit_and_measure(layout)
-    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
+    save_rank_result(out, fit_and_measure(layout))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()  # gloo crashes at interpreter exit otherwise
@@ -643,24 +640,9 @@ def _actually_checkpointed(module: Any, blocks: list[int], plain: list[int]) -> 
     return found
 
 
-# ============================================================================================ launcher
-def launch(layout: Layout, timeout_s: float = 600.0) -> list[dict[str, Any]]:
-    """Start ``layout.world`` ranks of this script with torch's launcher (``torchrun``; Lightning detects its
-    environment and launches nothing itself) and return their results, sorted by rank."""
-    with tempfile.TemporaryDirectory(prefix="memory-bench-") as folder:
-        out = Path(folder)
-        env = dict(os.environ, OMP_NUM_THREADS="1")  # ranks share few cores; oversubscription makes gloo crawl
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        env.pop("PL_GLOBAL_SEED", None)
-        worker = [str(Path(__file__).resolve()), "--worker", layout.name, "--out", str(out)]
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={layout.world}",
-                   *worker]
-        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        files = [out / f"rank{rank}.json" for rank in range(layout.world)]
-        if done.returncode != 0 or not all(f.exists() for f in files):
-            raise RuntimeError(f"layout {layout.name} failed (exit {done.returncode}):\n{done.stdout[-4000:]}"
-                               f"\n{done.stderr[-4000:]}")
-        return [json.loads(f.read_text()) for f in files]
+def launch(layout: Layout) -> list[dict[str, Any]]:
+    """Every rank's results of one launch of ``layout``, by rank."""
+    return launch_ranks(Path(__file__), ["--worker", layout.name], world=layout.world).ranks
 
 
 # =============================================================================================== table
@@ -695,22 +677,17 @@ def table_rows(layout: Layout, results: list[dict[str, Any]]) -> list[dict[str, 
     return rows
 
 
-HEADER = ("| layout | rank | stage | params (stage) | params owned | model states MiB | ideal MiB | ratio |"
-          " beyond 16 B × owned | activations MiB | analytic MiB | ratio | peak in | gathered params MiB |")
+HEADER = ["layout", "rank", "stage", "params (stage)", "params owned", "model states MiB", "ideal MiB", "ratio",
+          "beyond 16 B × owned", "activations MiB", "analytic MiB", "ratio", "peak in", "gathered params MiB"]
 
 
 def format_table(rows: list[dict[str, Any]], skipped: dict[str, str]) -> str:
-    lines = [HEADER, "|" + " --- |" * (HEADER.count("|") - 1)]
-    for row in rows:
-        lines.append(
-            f"| {row['layout']} | {row['rank']} | {row['stage']} | {row['stage_params']:,} | {row['params_owned']:,} |"
-            f" {row['states_mib']:.3f} | {row['ideal_mib']:.3f} | {row['states_ratio']:.3f} |"
-            f" {row['beyond_16B_owned']:,} B | {row['act_mib']:.2f} | {row['analytic_mib']:.2f} | {row['act_ratio']:.3f} | {row['act_phase']} |"
-            f" {row['gathered_mib']:.2f} |"
-        )
-    for name, reason in skipped.items():
-        lines.append(f"| {name} |" + " - |" * (HEADER.count("|") - 3) + f" skipped: {reason} |")
-    return "\n".join(lines)
+    cells = [[row["layout"], row["rank"], row["stage"], f"{row['stage_params']:,}", f"{row['params_owned']:,}",
+              f"{row['states_mib']:.3f}", f"{row['ideal_mib']:.3f}", f"{row['states_ratio']:.3f}",
+              f"{row['beyond_16B_owned']:,} B", f"{row['act_mib']:.2f}", f"{row['analytic_mib']:.2f}",
+              f"{row['act_ratio']:.3f}", row["act_phase"], f"{row['gathered_mib']:.2f}"] for row in rows]
+    cells += [[name, *["-"] * (len(HEADER) - 2), f"skipped: {reason}"] for name, reason in skipped.items()]
+    return markdown_table(HEADER, cells)
 
 
 def main() -> None:
@@ -719,7 +696,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--list", action="store_true", help="print the layout names and exit")
     parser.add_argument("--json", type=Path, help="also write every rank's raw numbers here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank of a launch (benchmarks/harness.py)
+    parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

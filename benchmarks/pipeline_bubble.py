@@ -26,9 +26,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -44,6 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.harness import launch_saved_once, markdown_table  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
 from lightning_hybrid.pipeline.schedules import SCHEDULES, PipelineSchedule  # noqa: E402
 from lightning_hybrid.observe.timeline import timeline_bubble  # noqa: E402
@@ -143,21 +142,13 @@ TABLE = [(name, 2, m) for name in SCHEDULES for m in (4, 8)] + [
 def run_table() -> None:
     rows = []
     for schedule, pp, microbatches in TABLE:
-        with tempfile.TemporaryDirectory() as folder:
-            out = Path(folder) / "result.json"
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            command = [sys.executable, __file__, "--schedule", schedule, "--pp", str(pp),
-                       "--microbatches", str(microbatches), "--out", str(out)]
-            done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
-            if done.returncode != 0 or not out.exists():
-                raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-            rows.append(json.loads(out.read_text()))
-    print("| schedule | p | v | m | measured bubble (median of steps) | theory (p-1)/(m·v+p-1) | step time |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
+        r = launch_saved_once(Path(__file__), ["--schedule", schedule, "--pp", pp, "--microbatches", microbatches],
+                              world=pp, suffix=".json")
         theory = "—" if r["theory"] is None else f"{r['theory']:.3f}"
-        print(f"| {r['schedule']} | {r['pp']} | {r['virtual_stages']} | {r['microbatches']} | {r['measured']:.3f}"
-              f" | {theory} | {r['step_s'] * 1e3:.0f} ms |")
+        rows.append([r["schedule"], r["pp"], r["virtual_stages"], r["microbatches"], f"{r['measured']:.3f}", theory,
+                     f"{r['step_s'] * 1e3:.0f} ms"])
+    print(markdown_table(["schedule", "p", "v", "m", "measured bubble (median of steps)", "theory (p-1)/(m·v+p-1)",
+                          "step time"], rows))
 
 
 def main() -> None:
@@ -165,6 +156,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--pp", type=int)
     parser.add_argument("--microbatches", type=int)
+    parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # set by the harness: p
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.pp is None:

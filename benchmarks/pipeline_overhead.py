@@ -7,8 +7,8 @@ blocks of two ``Linear(WIDTH, WIDTH)`` with a tanh between them, a head; width 1
 are so small that the compute is a small part of a step and the per-microbatch overhead dominates. The global batch
 is the same for every microbatch count ``m``, so the FLOPs per step stay the same as ``m`` grows.
 
-Sides (2 CPU processes, pp=2, 1F1B, gloo, ``OMP_NUM_THREADS=1``, launched with the environment variables that
-``torch.distributed.run`` sets):
+Sides (2 CPU processes, pp=2, 1F1B, gloo, ``OMP_NUM_THREADS=1``, started by ``benchmarks/harness.py`` with the
+environment variables that ``torch.distributed.run`` sets):
 
 ``A``  Lightning ``Trainer`` + ``HybridStrategy(pp=2, microbatches=m, pp_split=(2, 2), monitor=False)``, the module
        unchanged.
@@ -40,13 +40,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -57,6 +52,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import (  # noqa: E402
+    alternating, fit_line, launch_ranks, markdown_table, median_gap, save_rank_result,
+)
+
 WIDTH, VOCAB, BLOCKS, BATCH, SEQUENCE, WARMUP_STEPS, LR = 16, 32, 4, 16, 8, 5, 0.1
 MICROBATCHES = (2, 8, 16)
 #: Blocks per stage, on both sides (the FLOP-balanced split would give the head's stage fewer blocks).
@@ -221,7 +223,7 @@ def run_manual(microbatches: int, steps: int, profile: Optional[Path]) -> tuple[
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank of one side: write the median CPU and wall milliseconds per timed step to ``args.out``."""
+    """One rank of one side: save the median CPU and wall milliseconds per timed step."""
     warnings.filterwarnings("ignore")
     steps = WARMUP_STEPS + args.steps
     profile = Path(args.profile) if args.profile else None
@@ -229,54 +231,29 @@ def worker(args: argparse.Namespace) -> None:
         cpu, wall = run_hybrid(args.worker_microbatches, steps, profile)
     else:
         cpu, wall = run_manual(args.worker_microbatches, steps, profile)
-    result = {name: 1e3 * statistics.median(b - a for a, b in zip(ends[WARMUP_STEPS - 1:], ends[WARMUP_STEPS:]))
-              for name, ends in (("cpu", cpu), ("wall", wall))}
-    Path(f"{args.out}.rank{os.environ['RANK']}").write_text(json.dumps(result))
+    medians = {name: 1e3 * median_gap(ends, WARMUP_STEPS) for name, ends in (("cpu", cpu), ("wall", wall))}
+    save_rank_result(args.out, medians)
 
 
 # ============================================================================================ the parent
-def launch(side: str, microbatches: int, args: argparse.Namespace, folder: Path) -> list[dict[str, float]]:
+def launch(side: str, microbatches: int, args: argparse.Namespace) -> list[dict[str, float]]:
     """Run one side at ``microbatches`` on 2 ranks; per rank, its median CPU and wall ms per step."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
-    out = folder / f"{side}-m{microbatches}.json"
-    command = [sys.executable, __file__, "--side", side, "--worker-microbatches", str(microbatches),
-               "--steps", str(args.steps), "--out", str(out)] + (["--profile", args.profile] if args.profile else [])
-    logs = [open(folder / f"{side}-m{microbatches}.rank{r}.log", "w") for r in range(2)]
-    procs = [subprocess.Popen(command, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=logs[r],
-                              stderr=subprocess.STDOUT) for r in range(2)]
-    failed = [proc.wait() for proc in procs]
-    for log in logs:
-        log.close()
-    if any(failed):
-        tails = "\n".join(f"rank {r}:\n{Path(log.name).read_text()[-2000:]}" for r, log in enumerate(logs))
-        raise RuntimeError(f"{' '.join(command)} failed:\n{tails}")
-    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
-
-
-def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:
-    """Least-squares slope and intercept of ``ys`` over ``xs``."""
-    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return slope, mean_y - slope * mean_x
+    worker_args = ["--side", side, "--worker-microbatches", microbatches, "--steps", args.steps]
+    return launch_ranks(Path(__file__), worker_args + (["--profile", args.profile] if args.profile else []), 2).ranks
 
 
 def print_table(measured: dict[tuple[str, int], list[dict[str, float]]], microbatches: list[int], key: str) -> None:
     """One markdown table of ``key`` ("cpu" or "wall") ms per step, per stage and side, with slope and intercept."""
     print(f"\n{key.upper()} time per step (ms, median of steps and rounds), per stage; slope = ms per microbatch,"
           " intercept = ms per step\n")
-    print("| stage | side | " + " | ".join(f"m={m}" for m in microbatches) + " | per microbatch | per step |")
-    print("| --- | --- | " + " | ".join("---" for _ in microbatches) + " | --- | --- |")
+    rows = []
     for stage in range(2):
-        rows = {side: [measured[side, m][stage][key] for m in microbatches] for side in ("A", "B")}
-        rows["A−B"] = [a - b for a, b in zip(rows["A"], rows["B"])]
-        for side, values in rows.items():
-            slope, intercept = fit_line(microbatches, values)
-            cells = " | ".join(f"{v:.2f}" for v in values)
-            print(f"| {stage} | {side} | {cells} | {slope:.3f} | {intercept:.2f} |")
+        values = {side: [measured[side, m][stage][key] for m in microbatches] for side in ("A", "B")}
+        values["A−B"] = [a - b for a, b in zip(values["A"], values["B"])]
+        for side, row in values.items():
+            slope, intercept = fit_line(microbatches, row)
+            rows.append([stage, side, *(f"{v:.2f}" for v in row), f"{slope:.3f}", f"{intercept:.2f}"])
+    print(markdown_table(["stage", "side", *(f"m={m}" for m in microbatches), "per microbatch", "per step"], rows))
 
 
 def main() -> None:
@@ -287,21 +264,18 @@ def main() -> None:
     parser.add_argument("--profile", help="folder: run the timed steps under cProfile, one .prof per side, rank, m")
     parser.add_argument("--side", choices=("A", "B"), help=argparse.SUPPRESS)  # a worker rank
     parser.add_argument("--worker-microbatches", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # set by the harness
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side is not None:
         worker(args)
         return
-    sides = ["A", "B"]
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     rounds: dict[tuple[str, int], list[list[dict[str, float]]]] = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for round_index in range(args.rounds):
-            order = sides if round_index % 2 == 0 else sides[::-1]  # drift of the machine falls on both sides
-            for m in args.microbatches:
-                for side in order:
-                    rounds.setdefault((side, m), []).append(launch(side, m, args, Path(folder)))
+    launches = [(side, m) for m in args.microbatches for side in ("A", "B")]
+    for _, (side, m) in alternating(launches, args.rounds):  # drift of the machine falls on both sides
+        rounds.setdefault((side, m), []).append(launch(side, m, args))
     if args.profile:
         print(f"profiles in {args.profile}")
         return

@@ -44,6 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.harness import markdown_table  # noqa: E402
 from lightning_hybrid.plan.cost import estimate  # noqa: E402
 from lightning_hybrid.plan.hardware import GIB, Cluster  # noqa: E402
 from lightning_hybrid.plan.layout import Estimate, Layout  # noqa: E402
@@ -159,7 +160,7 @@ def table(best: bool) -> str:
               "predicted / published", "fits under HybridStrategy (80 GiB)"]
     if best:
         header += ["best layout that fits", "its TFLOP/s", "/ published"]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    rows = []
     for row in TABLE_1:
         layout, result = published_layout(row), predict(row)
         tflops = tflops_per_gpu(row, result)
@@ -171,23 +172,23 @@ def table(best: bool) -> str:
             cells += ["none"] * 3 if chosen is None else [
                 str(chosen.layout), f"{tflops_per_gpu(row, chosen):.1f}",
                 f"{tflops_per_gpu(row, chosen) / row.published_tflops:.2f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(header, rows)
 
 
 def terms() -> str:
     """Each row's predicted seconds per step by term and its memory on the fullest stage."""
     header = ["params (B)", "step s", "matmul s", "memory-bound s", "tp s", "pp s", "bubble s", "dp exposed s",
               "optimizer s", "states GiB", "gathered GiB", "activations GiB", "of which receive buffers GiB"]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    rows = []
     for row in TABLE_1:
         time, memory = predict(row).time, predict(row).memory
         seconds = [time.step, time.compute - time.memory_bound, time.memory_bound, time.tensor_parallel,
                    time.pipeline, time.bubble, time.data_parallel_exposed, time.optimizer]
         sizes = [memory.model_states, memory.gathered_parameters, memory.activations, memory.receive_buffers]
-        lines.append("| " + " | ".join([f"{row.billions:g}"] + [f"{value:.2f}" for value in seconds]
-                                       + [f"{value / GIB:.1f}" for value in sizes]) + " |")
-    return "\n".join(lines)
+        rows.append([f"{row.billions:g}", *(f"{value:.2f}" for value in seconds),
+                     *(f"{value / GIB:.1f}" for value in sizes)])
+    return markdown_table(header, rows)
 
 
 #: Printed under the table: how the prediction, which is HybridStrategy's, differs from the published system.

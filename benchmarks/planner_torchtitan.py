@@ -34,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.harness import markdown_table  # noqa: E402
 from lightning_hybrid.plan.cost import estimate  # noqa: E402
 from lightning_hybrid.plan.hardware import Cluster  # noqa: E402
 from lightning_hybrid.plan.layout import Estimate, Layout  # noqa: E402
@@ -106,18 +107,18 @@ def _cell(run: Run, result: Estimate) -> str:
 
 
 def table() -> str:
-    lines = ["| model | GPUs | local batch | checkpointing (torchtitan's name) | published tokens/s/GPU |"
-             " predicted (/ published), 25 GB/s | at 50 GB/s per GPU |", "|" + " --- |" * 7]
-    for run in A100_RUNS:
-        lines.append(f"| {run.name} | {run.gpus} A100 | {run.local_batch} | {run.published_as} | {run.published:,} |"
-                     f" {_cell(run, predict(run, a100(run)))} | {_cell(run, predict(run, a100(run, 50)))} |")
-    lines += ["", "| model | GPUs | checkpointing | published tokens/s/GPU | predicted (/ published), 989 TFLOP/s |"
-                  " at 835 TFLOP/s |", "|" + " --- |" * 6]
-    for run in H100_RUNS:
-        lines.append(f"| {run.name} | {run.gpus} H100 | {run.published_as} | {run.published:,} |"
-                     f" {_cell(run, predict(run, grand_teton(run, 989)))} |"
-                     f" {_cell(run, predict(run, grand_teton(run, 835)))} |")
-    return "\n".join(lines)
+    a100_rows = [[run.name, f"{run.gpus} A100", run.local_batch, run.published_as, f"{run.published:,}",
+                  _cell(run, predict(run, a100(run))), _cell(run, predict(run, a100(run, 50)))] for run in A100_RUNS]
+    h100_rows = [[run.name, f"{run.gpus} H100", run.published_as, f"{run.published:,}",
+                  _cell(run, predict(run, grand_teton(run, 989))), _cell(run, predict(run, grand_teton(run, 835)))]
+                 for run in H100_RUNS]
+    return "\n".join([
+        markdown_table(["model", "GPUs", "local batch", "checkpointing (torchtitan's name)", "published tokens/s/GPU",
+                        "predicted (/ published), 25 GB/s", "at 50 GB/s per GPU"], a100_rows),
+        "",
+        markdown_table(["model", "GPUs", "checkpointing", "published tokens/s/GPU",
+                        "predicted (/ published), 989 TFLOP/s", "at 835 TFLOP/s"], h100_rows),
+    ])
 
 
 if __name__ == "__main__":

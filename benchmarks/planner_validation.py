@@ -59,12 +59,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -77,6 +75,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.harness import launch_ranks, markdown_table, save_rank_result  # noqa: E402
 from lightning_hybrid.plan.cost import estimate  # noqa: E402
 from lightning_hybrid.plan.hardware import Cluster  # noqa: E402
 from lightning_hybrid.plan.layout import Estimate, Layout  # noqa: E402
@@ -90,6 +89,7 @@ WARMUP_STEPS = 2  # optimizer steps left out: pipeline shape inference, AdamW's 
 TIMED_STEPS = 8
 PRECISION = "32-true"
 MiB = 2**20
+LAUNCH_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,8 @@ BUS_FACTOR = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "send
 
 
 def links_worker(out: Path) -> None:
-    """Rank's side of the link calibration (2 ranks): median seconds per size of each collective, rank 0 writes."""
+    """Rank's side of the link calibration (2 ranks): median seconds per size of each collective (rank 0's are
+    used)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -199,8 +200,7 @@ def links_worker(out: Path) -> None:
                 once()
                 times.append(time.perf_counter() - start)
             results[kind].append(statistics.median(times) / (2 if kind == "send_recv" else 1))
-    if rank == 0:
-        (out / "links.json").write_text(json.dumps(results))
+    save_rank_result(out, results)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -231,9 +231,7 @@ class LinkFit:
 
 
 def measure_links() -> dict[str, LinkFit]:
-    with tempfile.TemporaryDirectory(prefix="planner-links-") as folder:
-        launch(["--worker", "links", "--out", folder], world=2)
-        measured = json.loads((Path(folder) / "links.json").read_text())
+    measured = launch_ranks(Path(__file__), ["--worker", "links"], world=2, timeout_s=LAUNCH_TIMEOUT_S).ranks[0]
     return {kind: LinkFit(kind, seconds) for kind, seconds in measured.items()}
 
 
@@ -247,20 +245,10 @@ def calibrated_cluster(world: int, flops: float, bandwidth: float, latency: floa
 
 
 # ================================================================================================ step time
-def step_worker(run: Run, steps: int, out: Path) -> None:
-    """One rank of a measured layout: train, time every optimizer step, write ``rank{N}.json``."""
-    import logging
-
+def make_step_clock(k: int) -> Any:
+    """A callback timing each optimizer step of ``k`` accumulated batches (defined on first use: the parent never
+    imports Lightning)."""
     import lightning.pytorch as pl
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_hybrid import HybridStrategy
-    from recipes.gpt import GPTLightning
-
-    warnings.simplefilter("ignore")  # Lightning's advice about dataloader workers and logging on tiny runs
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    k = run.accumulate
 
     class StepClock(pl.Callback):
         """Times of each optimizer step's first batch start, its optimizer hook and its last batch end."""
@@ -285,6 +273,14 @@ def step_worker(run: Run, steps: int, out: Path) -> None:
                 self.ends.append(time.perf_counter())
                 self.cpu_ends.append(time.process_time())
 
+    return StepClock()
+
+
+def make_compute_probe() -> Any:
+    """A callback probing this rank's matmul FLOP/s before the first step and after the last."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
     class ComputeProbe(pl.Callback):
         """``peak_flops`` of this rank, measured in the run before the first step and after the last: all ranks
         leave a barrier and run :func:`measure_matmul_flops`; FLOPs ÷ the time from the barrier to the rank's end
@@ -306,11 +302,28 @@ def step_worker(run: Run, steps: int, out: Path) -> None:
         def on_train_end(self, trainer: Any, module: Any) -> None:
             self._probe()
 
+    return ComputeProbe()
+
+
+def step_worker(run: Run, steps: int, out: Path) -> None:
+    """One rank of a measured layout: train, time every optimizer step, save this rank's times."""
+    import logging
+
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hybrid import HybridStrategy
+    from recipes.gpt import GPTLightning
+
+    warnings.simplefilter("ignore")  # Lightning's advice about dataloader workers and logging on tiny runs
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    k = run.accumulate
     torch.manual_seed(0)
     module = GPTLightning(CONFIG, max_steps=steps)
     tokens = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH * steps, CONFIG.block_size + 1))
     data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    clock, probe = StepClock(), ComputeProbe()
+    clock, probe = make_step_clock(k), make_compute_probe()
     trainer = pl.Trainer(
         accelerator="cpu", devices=run.world, strategy=HybridStrategy(**run.strategy, monitor=False),
         precision=PRECISION, max_steps=steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
@@ -321,7 +334,7 @@ def step_worker(run: Run, steps: int, out: Path) -> None:
     record = {"step": [end - start for start, end in zip(clock.starts, clock.ends)],
               "forward_backward": [mark - start for start, mark in zip(clock.starts, clock.before_optimizer)],
               "cpu": [end - start for start, end in zip(clock.cpu_starts, clock.cpu_ends)], "flops": probe.flops}
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    save_rank_result(out, record, trainer.global_rank)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()  # gloo crashes at interpreter exit otherwise
@@ -344,12 +357,10 @@ def measure_steps(run: Run, steps: int, quiet: QuietMachine) -> Measured:
     """Launch ``run`` on a quiet machine; once more if other processes used the cores meanwhile."""
     for attempt in range(2):
         quiet.wait()
-        with tempfile.TemporaryDirectory(prefix="planner-steps-") as folder:
-            arguments = ["--worker", "steps", run.name, "--steps", str(steps), "--out", folder]
-            _, disturbed = quiet.others_during(lambda: launch(arguments, world=run.world))
-            ranks = [json.loads(path.read_text()) for path in Path(folder).glob("rank*.json")]
-        if len(ranks) != run.world:
-            raise RuntimeError(f"{run.name}: {len(ranks)} of {run.world} ranks reported")
+        arguments = ["--worker", "steps", run.name, "--steps", steps]
+        launched, disturbed = quiet.others_during(
+            lambda: launch_ranks(Path(__file__), arguments, world=run.world, timeout_s=LAUNCH_TIMEOUT_S))
+        ranks = launched.ranks
         if not disturbed:
             break
 
@@ -358,17 +369,6 @@ def measure_steps(run: Run, steps: int, quiet: QuietMachine) -> Measured:
 
     flops = min(statistics.mean(rank["flops"]) for rank in ranks)  # the slowest rank sets a step's pace
     return Measured(slowest("step"), slowest("forward_backward"), slowest("cpu"), flops, disturbed)
-
-
-def launch(arguments: list[str], world: int, timeout_s: float = 300.0) -> None:
-    """This script's worker on ``world`` ranks via torch's launcher, one thread per rank."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(Path(__file__).resolve()), *arguments]
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(arguments)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
 
 
 def gpt_shape(config: GPTConfig) -> ModelShape:
@@ -400,22 +400,23 @@ def step_rows(runs: list[Run], measured: dict[str, Measured], bandwidth: float,
     return efficiency, [StepRow(run, measured[run.name], predict(run, 1.0), predict(run, efficiency)) for run in runs]
 
 
+STEP_HEADER = ["layout", "ranks", "GFLOP/s per rank", "measured step s", "fwd+bwd s", "CPU s", "predicted s", "error",
+               "compute", "tp", "pp", "dp (all)", "dp exposed", "bubble", "with single's efficiency: predicted s",
+               "error"]
+
+
 def step_table(rows: list[StepRow]) -> str:
-    lines = ["| layout | ranks | GFLOP/s per rank | measured step s | fwd+bwd s | CPU s | predicted s | error |"
-             " compute | tp | pp | dp (all) | dp exposed | bubble | with single's efficiency: predicted s |"
-             " error |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cells = []
     for row in rows:
         time_, measured = row.predicted.time, row.measured
         terms = [time_.compute, time_.tensor_parallel, time_.pipeline, time_.data_parallel,
                  time_.data_parallel_exposed, time_.bubble]
-        lines.append(
-            f"| {row.run.name} | {row.run.world} | {measured.flops / 1e9:.1f} |"
-            f" {measured.step:.3f}{'*' if measured.disturbed else ''} | {measured.forward_backward:.3f} |"
-            f" {measured.cpu:.3f} | {time_.step:.3f} | {relative_error(time_.step, measured.step)} | "
-            + " | ".join(f"{value:.3f}" for value in terms)
-            + f" | {row.adjusted.time.step:.3f} | {relative_error(row.adjusted.time.step, measured.step)} |")
-    return "\n".join(lines)
+        cells.append([row.run.name, row.run.world, f"{measured.flops / 1e9:.1f}",
+                      f"{measured.step:.3f}{'*' if measured.disturbed else ''}", f"{measured.forward_backward:.3f}",
+                      f"{measured.cpu:.3f}", f"{time_.step:.3f}", relative_error(time_.step, measured.step),
+                      *(f"{value:.3f}" for value in terms), f"{row.adjusted.time.step:.3f}",
+                      relative_error(row.adjusted.time.step, measured.step)])
+    return markdown_table(STEP_HEADER, cells)
 
 
 def relative_error(predicted: float, measured: float) -> str:
@@ -459,9 +460,7 @@ def memory_table() -> str:
     from benchmarks.memory import CONFIG as MEMORY_CONFIG, GLOBAL_BATCH as MEMORY_GLOBAL_BATCH
 
     model = gpt_shape(MEMORY_CONFIG)
-    lines = ["| layout | model states MiB: predicted | measured | error | activations + logits MiB: predicted |"
-             " measured | error | gathered params MiB: predicted | measured | error |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = []
     for name, (world, layout) in MEMORY_LAYOUTS.items():
         measured = measure_memory(name)
         cluster = calibrated_cluster(world, flops=1e9, bandwidth=1e9)  # memory does not depend on speeds
@@ -474,8 +473,10 @@ def memory_table() -> str:
             predicted = predicted_bytes / MiB
             error = relative_error(predicted, measured_mib) if measured_mib else "-"
             cells += [f"{predicted:.2f}", f"{measured_mib:.2f}", error]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([name, *cells])
+    return markdown_table(["layout", "model states MiB: predicted", "measured", "error",
+                           "activations + logits MiB: predicted", "measured", "error",
+                           "gathered params MiB: predicted", "measured", "error"], rows)
 
 
 # =================================================================================================== papers
@@ -508,13 +509,11 @@ def papers_table() -> str:
             what = "activations" + (", every block checkpointed" if checkpointing else "")
             rows.append((source, what, f"{label}: blocks' activations (logits left out)", memory.activations,
                          published))
-    lines = ["| source | published quantity | planner's counterpart | predicted GB | published GB | error |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for source, quantity, counterpart, predicted, published in rows:
-        cells = ["-", f"{published / 1e9:g}", "-"] if predicted is None else [
-            f"{predicted / 1e9:.2f}", f"{published / 1e9:g}", relative_error(predicted, published)]
-        lines.append(f"| {source} | {quantity} | {counterpart} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    cells = [[source, quantity, counterpart, *(["-", f"{published / 1e9:g}", "-"] if predicted is None else [
+        f"{predicted / 1e9:.2f}", f"{published / 1e9:g}", relative_error(predicted, published)])]
+        for source, quantity, counterpart, predicted, published in rows]
+    return markdown_table(["source", "published quantity", "planner's counterpart", "predicted GB", "published GB",
+                           "error"], cells)
 
 
 # ===================================================================================================== main
@@ -525,11 +524,27 @@ def busy_cpu_seconds() -> float:
 
 
 def own_cpu_seconds() -> float:
-    """CPU seconds of this process and of its finished children (launched ranks included)."""
+    """CPU seconds of this process, of its finished children and of its live children with their finished ones:
+    the launched ranks are children of the harness's fork server, which lives on and reaps them."""
     import resource
 
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + live_children_cpu_seconds()
+
+
+def live_children_cpu_seconds() -> float:
+    """CPU seconds of this process's live children and of the children they reaped (``/proc/<pid>/stat``: utime,
+    stime, cutime, cstime)."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (command) state ppid ...": the command may hold spaces and parentheses, so split after it.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[1]) == os.getpid():
+            ticks += sum(int(value) for value in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -569,12 +584,26 @@ class QuietMachine:
             self.warned = True
 
 
+def calibration_table(alone: MatmulRate, links: dict[str, LinkFit], bandwidth: float, latency: float) -> str:
+    """The planner's constants as measured: matmul FLOP/s per shape, gloo's latency and bus bandwidth per
+    collective, and the link bandwidth and latency the planner gets."""
+    rows = [[f"matmul {shape}, fp32", f"{shape_flops / 1e9:.1f} GFLOP/s"] for shape, shape_flops in alone.per_shape]
+    rows.append(["matmul FLOP/s, all shapes, one process alone", f"{alone.flops_per_second / 1e9:.1f} GFLOP/s"])
+    rows += [[f"gloo {fit.kind}: latency (1 KiB) / bus bandwidth (1-16 MiB; 64 MiB)",
+              f"{fit.latency * 1e6:.0f} µs / {fit.bus_bandwidth / 1e9:.2f} GB/s;"
+              f" {fit.bus_bandwidth_at(LINK_SIZES[-1]) / 1e9:.2f} GB/s"] for fit in links.values()]
+    rows.append(["**link bandwidth** (mean of all-reduce and all-gather)", f"**{bandwidth / 1e9:.2f} GB/s**"])
+    rows.append(["**link latency** (mean of all-reduce and all-gather at 1 KiB)", f"**{latency * 1e6:.0f} µs**"])
+    return markdown_table(["constant", "value"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", default=",".join(BY_NAME), help=f"comma-separated, of {', '.join(BY_NAME)}")
     parser.add_argument("--steps", type=int, default=WARMUP_STEPS + TIMED_STEPS, help="optimizer steps per layout")
     parser.add_argument("--skip-steps", action="store_true", help="calibration, memory and papers only")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)  # "links" or "steps LAYOUT"
+    parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # set by the harness
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -596,15 +625,7 @@ def main() -> None:
     latency = (links["all_reduce"].latency + links["all_gather"].latency) / 2
     print(f"## Calibration ({os.cpu_count()} cores, torch {torch.__version__}, one thread per process)"
           + (" -- DISTURBED by other processes" if disturbed else "") + "\n")
-    print("| constant | value |\n| --- | --- |")
-    for shape, shape_flops in alone.per_shape:
-        print(f"| matmul {shape}, fp32 | {shape_flops / 1e9:.1f} GFLOP/s |")
-    print(f"| matmul FLOP/s, all shapes, one process alone | {alone.flops_per_second / 1e9:.1f} GFLOP/s |")
-    for fit in links.values():
-        print(f"| gloo {fit.kind}: latency (1 KiB) / bus bandwidth (1-16 MiB; 64 MiB) | {fit.latency * 1e6:.0f} µs /"
-              f" {fit.bus_bandwidth / 1e9:.2f} GB/s; {fit.bus_bandwidth_at(LINK_SIZES[-1]) / 1e9:.2f} GB/s |")
-    print(f"| **link bandwidth** (mean of all-reduce and all-gather) | **{bandwidth / 1e9:.2f} GB/s** |")
-    print(f"| **link latency** (mean of all-reduce and all-gather at 1 KiB) | **{latency * 1e6:.0f} µs** |")
+    print(calibration_table(alone, links, bandwidth, latency))
     print("\nSeconds per size (1 KiB ... 64 MiB, ×4):")
     for fit in links.values():
         print(f"  {fit.kind:10s} " + " ".join(f"{seconds * 1e3:.3f}" for seconds in fit.seconds) + " ms")

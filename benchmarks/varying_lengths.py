@@ -13,34 +13,24 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import launch_saved_once, markdown_table  # noqa: E402
+
 SCRIPT = ROOT / "tests" / "pipeline" / "varying_lengths.py"
 
 
-def run(schedule: str, lengths: tuple[int, int], args: argparse.Namespace, out: Path) -> list[float]:
+def run(schedule: str, lengths: tuple[int, int], args: argparse.Namespace) -> list[float]:
     """Seconds of every training step (rank 0) of one 2-rank fit."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
-    command = [sys.executable, str(SCRIPT), "--schedules", schedule, "--samples", str(args.samples), "--epochs",
-               str(args.epochs), "--lengths", *map(str, lengths), "--out", str(out)]
-    procs = [subprocess.Popen(command, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT) for r in range(2)]
-    if any(proc.wait() for proc in procs):
-        raise RuntimeError(f"{' '.join(command)} failed")
-    return torch.load(out, weights_only=False)[schedule]["step_s"]
+    result = launch_saved_once(SCRIPT, ["--schedules", schedule, "--samples", args.samples, "--epochs", args.epochs,
+                                        "--lengths", *lengths], world=2)
+    return result[schedule]["step_s"]
 
 
 def main() -> None:
@@ -51,14 +41,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs=2, default=(4, 16), help="varying: shortest and longest")
     parser.add_argument("--fixed", type=int, default=16, help="fixed: every sequence this long")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as folder:
-        fixed = run(args.schedule, (args.fixed, args.fixed), args, Path(folder) / "fixed.pt")
-        varying = run(args.schedule, tuple(args.lengths), args, Path(folder) / "varying.pt")
+    fixed = run(args.schedule, (args.fixed, args.fixed), args)
+    varying = run(args.schedule, tuple(args.lengths), args)
     print(f"pp=2 {args.schedule}, {len(fixed)} steps each (the first 2 left out: setup and shape inference)")
-    print(f"{'':>28}{'fixed':>12}{'varying':>12}")
-    for name, reduce in (("median step (ms)", statistics.median), ("mean step (ms)", statistics.mean),
-                         ("max step (ms)", max)):
-        print(f"{name:>28}{1e3 * reduce(fixed[2:]):>12.1f}{1e3 * reduce(varying[2:]):>12.1f}")
+    rows = [[name, f"{1e3 * reduce(fixed[2:]):.1f}", f"{1e3 * reduce(varying[2:]):.1f}"]
+            for name, reduce in (("median step (ms)", statistics.median), ("mean step (ms)", statistics.mean),
+                                 ("max step (ms)", max))]
+    print(markdown_table(["", "fixed", "varying"], rows))
 
 
 if __name__ == "__main__":

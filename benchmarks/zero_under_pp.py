@@ -26,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers import run_script, scalars  # noqa: E402  (the harness that starts one process per rank)
+from benchmarks.harness import alternating, markdown_table  # noqa: E402
+from tests.helpers import run_script, scalars  # noqa: E402  (the test launcher: one process per rank)
 
 
 def measure(zero: int, args: argparse.Namespace, folder: Path) -> dict[str, float]:
@@ -53,17 +54,14 @@ def main() -> None:
     args = parser.parse_args()
     runs: dict[int, list[dict[str, float]]] = {2: [], 3: []}
     with tempfile.TemporaryDirectory() as tmp:
-        for round_index in range(args.rounds):
-            for zero in (2, 3) if round_index % 2 == 0 else (3, 2):  # alternated: drift falls on both
-                runs[zero].append(measure(zero, args, Path(tmp) / f"z{zero}-{round_index}"))
+        for round_index, zero in alternating((2, 3), args.rounds):  # alternated: drift falls on both
+            runs[zero].append(measure(zero, args, Path(tmp) / f"z{zero}-{round_index}"))
     print(f"dp2 x pp2, 1F1B, {args.microbatches} microbatches, {args.layers} blocks, {args.rounds} rounds")
-    print("| zero | all-gather KiB per step | reduce-scatter KiB per step | step time ms (median of rounds) |"
-          " peak memory MiB |")
-    print("| --- | --- | --- | --- | --- |")
-    for zero, measured in runs.items():
-        print(f"| {zero} | {measured[0]['all_gather'] / 1024:.1f} | {measured[0]['reduce_scatter'] / 1024:.1f} |"
-              f" {1e3 * statistics.median(m['step_s'] for m in measured):.1f} |"
-              f" {1024 * statistics.median(m['peak_gib'] for m in measured):.2f} |")
+    rows = [[zero, f"{measured[0]['all_gather'] / 1024:.1f}", f"{measured[0]['reduce_scatter'] / 1024:.1f}",
+             f"{1e3 * statistics.median(m['step_s'] for m in measured):.1f}",
+             f"{1024 * statistics.median(m['peak_gib'] for m in measured):.2f}"] for zero, measured in runs.items()]
+    print(markdown_table(["zero", "all-gather KiB per step", "reduce-scatter KiB per step",
+                          "step time ms (median of rounds)", "peak memory MiB"], rows))
     ratios = [three["step_s"] / two["step_s"] for two, three in zip(runs[2], runs[3])]
     print(f"step time ZeRO-3 / ZeRO-2: {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})")
 

@@ -107,18 +107,28 @@ def _launch(args: list[str], nprocs_timeout: float, outputs: int = 0, script: Pa
         raise ValueError("run_script needs --out PATH among the arguments")
     out = Path(args[args.index("--out") + 1])
     expected = [sweep_out(out, index) for index in range(outputs)] if outputs else [out]
+    return out, launch_and_wait(args, expected, nprocs_timeout, script, launcher)
+
+
+def launch_and_wait(args: list[str], expected: Sequence[Path], timeout_s: float, script: Path = SCRIPT,
+                    launcher: Launcher = "torchrun") -> float:
+    """Start every rank of ``script args`` (:func:`start_ranks`: ``args`` holds ``--out PATH``, beside which the
+    rank logs go), wait for all, and return the wall seconds until every rank exited. Raises :class:`ScriptError`
+    with the logs' tails if a rank timed out or failed or a path of ``expected`` was not written (each is removed
+    first: a stale result from an earlier run is never read)."""
+    out = Path(args[args.index("--out") + 1])
     for path in expected:
-        path.unlink(missing_ok=True)  # never load a stale result from an earlier run
+        path.unlink(missing_ok=True)
     start = time.perf_counter()
     procs, logs = start_ranks(args, out, script, launcher)
     command = " ".join(procs[0].args)
-    if not wait_or_kill(procs, nprocs_timeout):
-        raise ScriptError(f"timed out after {nprocs_timeout:.0f}s: {command}\n{_tails(logs)}")
+    if not wait_or_kill(procs, timeout_s):
+        raise ScriptError(f"timed out after {timeout_s:.0f}s: {command}\n{_tails(logs)}")
     run_s = time.perf_counter() - start
     failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
     if failed or not all(path.exists() for path in expected):
         raise ScriptError(f"ranks {failed} failed after {run_s:.1f}s: {command}\n{_tails(logs)}")
-    return out, run_s
+    return run_s
 
 
 def wait_or_kill(procs: Sequence[RankProcess], timeout_s: float) -> bool:
