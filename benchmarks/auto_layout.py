@@ -31,8 +31,8 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmarks.harness import markdown_table
-from lightning_hybrid.options import default_zero_level
-from lightning_hybrid.plan.layout import CHECKPOINTING, Layout, parse_layout
+from lightning_hybrid.options.hybrid_options import default_zero_level
+from lightning_hybrid.planner.layout import CHECKPOINTING, Layout, parse_layout
 
 REPO = Path(__file__).resolve().parents[1]
 WHY = re.compile(r"Why: (.+?)\. Hardware")

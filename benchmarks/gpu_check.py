@@ -130,7 +130,7 @@ def check_cuda_timeline(config: GPTConfig, device: torch.device) -> str:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    from lightning_hybrid.pipeline.timing import StepRecorder
+    from lightning_hybrid.pipeline.step_recorder import StepRecorder
     from recipes.gpt import Block
 
     if not dist.is_initialized():

@@ -4,7 +4,7 @@ Trains ``tests/pipeline/measured_split.py``'s model — blocks alike in their ma
 rounds of cumulative sums along the sequence that traced FLOPs count as zero — under ``HybridStrategy(pp=2)`` on 2
 CPU processes, once with ``pp_split="measured"`` and once with the default FLOP-balanced split, both fits in one
 launch. Predicted: each stage's forward + backward time per microbatch from the block times the measured split
-timed at setup (the same costs for both splits), and :func:`~lightning_hybrid.pipeline.measured.predicted_bubble`.
+timed at setup (the same costs for both splits), and :func:`~lightning_hybrid.pipeline.timed_split.predicted_bubble`.
 Measured: the monitor's timeline (``Pipeline.record_timeline``): each rank's compute actions per step divided by the
 microbatches, and the bubble ``ParallelMonitor`` logs (``1 - busy / step``, mean over ranks); medians over the
 steps after ``--warmup``.

@@ -386,7 +386,8 @@ def tensor_replicated_count(module: nn.Module) -> int:
 def checkpoint_blocks(blocks: nn.ModuleList, every: int = 1) -> list[int]:
     """Activation checkpointing for the plain (strategy-free) layouts and the unit test, with the strategy's own
     per-block checkpointing. Returns the indices of the checkpointed blocks."""
-    from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
+    from lightning_hybrid.options.recompute import CheckpointPlan
+    from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing
 
     plan = CheckpointPlan(every=every)
     apply_activation_checkpointing(enumerate(blocks), plan)

@@ -44,7 +44,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.harness import launch_saved_once, markdown_table  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.pipeline.schedules import SCHEDULES, PipelineSchedule  # noqa: E402
+from lightning_hybrid.options.schedules import SCHEDULES, PipelineSchedule  # noqa: E402
 from lightning_hybrid.observe.timeline import timeline_bubble  # noqa: E402
 
 FORWARD_S = float(os.environ.get("BUBBLE_FORWARD_MS", "20")) / 1e3  # backward takes twice as long

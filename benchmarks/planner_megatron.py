@@ -45,11 +45,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.harness import markdown_table  # noqa: E402
-from lightning_hybrid.plan.cost import estimate  # noqa: E402
-from lightning_hybrid.plan.hardware import GIB, Cluster  # noqa: E402
-from lightning_hybrid.plan.layout import Estimate, Layout  # noqa: E402
-from lightning_hybrid.plan.model import ModelShape  # noqa: E402
-from lightning_hybrid.plan.search import divisors  # noqa: E402
+from lightning_hybrid.planner.cost import estimate  # noqa: E402
+from lightning_hybrid.hardware import GIB, Cluster  # noqa: E402
+from lightning_hybrid.planner.layout import Estimate, Layout  # noqa: E402
+from lightning_hybrid.planner.model import ModelShape  # noqa: E402
+from lightning_hybrid.planner.search import divisors  # noqa: E402
 
 SEQUENCE, VOCABULARY = 2048, 51_200
 

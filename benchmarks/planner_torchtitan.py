@@ -35,10 +35,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.harness import markdown_table  # noqa: E402
-from lightning_hybrid.plan.cost import estimate  # noqa: E402
-from lightning_hybrid.plan.hardware import Cluster  # noqa: E402
-from lightning_hybrid.plan.layout import Estimate, Layout  # noqa: E402
-from lightning_hybrid.plan.model import ModelShape  # noqa: E402
+from lightning_hybrid.planner.cost import estimate  # noqa: E402
+from lightning_hybrid.hardware import Cluster  # noqa: E402
+from lightning_hybrid.planner.layout import Estimate, Layout  # noqa: E402
+from lightning_hybrid.planner.model import ModelShape  # noqa: E402
 
 LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, gated_mlp=True, vocab=128256,
                        seq_len=8192)

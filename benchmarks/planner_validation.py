@@ -1,4 +1,4 @@
-"""Calibrate the layout planner's cost model (``lightning_hybrid/plan/cost.py``) on this machine and compare what it
+"""Calibrate the layout planner's cost model (``lightning_hybrid/planner/cost.py``) on this machine and compare what it
 predicts with what HybridStrategy measures here, and with published figures.
 
 Three tables, printed as Markdown:
@@ -76,10 +76,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.harness import launch_ranks, markdown_table, save_rank_result  # noqa: E402
-from lightning_hybrid.plan.cost import estimate  # noqa: E402
-from lightning_hybrid.plan.hardware import Cluster  # noqa: E402
-from lightning_hybrid.plan.layout import Estimate, Layout  # noqa: E402
-from lightning_hybrid.plan.model import ModelShape  # noqa: E402
+from lightning_hybrid.planner.cost import estimate  # noqa: E402
+from lightning_hybrid.hardware import Cluster  # noqa: E402
+from lightning_hybrid.planner.layout import Estimate, Layout  # noqa: E402
+from lightning_hybrid.planner.model import ModelShape  # noqa: E402
 from recipes.gpt import GPTConfig  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)

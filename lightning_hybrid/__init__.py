@@ -24,12 +24,12 @@ from typing import Any
 
 #: Public name → module that defines it.
 _EXPORTS = {
-    "Cluster": "lightning_hybrid.plan.hardware",
-    "HybridOptions": "lightning_hybrid.options",
+    "Cluster": "lightning_hybrid.hardware",
+    "HybridOptions": "lightning_hybrid.options.hybrid_options",
     "HybridStrategy": "lightning_hybrid.strategy",
     "ParallelDims": "lightning_hybrid.mesh",
     "ParallelMonitor": "lightning_hybrid.observe.monitor",
-    "PipelineSchedule": "lightning_hybrid.pipeline.schedules",
+    "PipelineSchedule": "lightning_hybrid.options.schedules",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,7 @@ Lightning) wait inside the functions that need them, so importing this module co
 The strategy also uses, as a subclass, protected members of Lightning's ``ModelParallelStrategy`` that Lightning's
 own strategies use the same way: ``_precision_plugin`` (the storage behind the ``precision_plugin`` property it
 overrides) and the two reached through :func:`setup_process_group` and :func:`call_through_module` below. The
-model summary callbacks (:mod:`lightning_hybrid.observe.summary`) override ``ModelSummary._summary``, the factory in
+model summary callbacks (:mod:`lightning_hybrid.glue.model_summary`) override ``ModelSummary._summary``, the factory in
 which Lightning's own callback chooses the summary it prints (its DeepSpeed variant is picked there): no public hook
 sets what the table counts.
 """

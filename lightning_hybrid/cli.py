@@ -18,13 +18,13 @@ import sys
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from lightning_hybrid.plan.hardware import GIB, GPU_PRESETS, Cluster
-from lightning_hybrid.plan.syntax import LAYOUT_SYNTAX
+from lightning_hybrid.hardware import GIB, GPU_PRESETS, Cluster
+from lightning_hybrid.planner.syntax import LAYOUT_SYNTAX
 
 # The planner and the checkpoint reader need torch; they load once a command runs, so --help answers at once.
 if TYPE_CHECKING:
-    from lightning_hybrid.plan.layout import Estimate
-    from lightning_hybrid.plan.model import ModelShape
+    from lightning_hybrid.planner.layout import Estimate
+    from lightning_hybrid.planner.model import ModelShape
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -107,7 +107,7 @@ def _add_plan_command(commands: Any) -> None:
         "plan",
         help="rank dp × tp × pp layouts of a model on a cluster by predicted step time and memory",
         description="Predict per-GPU memory and step time of every HybridStrategy layout of a model on a cluster"
-        " (formulas: lightning_hybrid/plan/cost.py) and rank the ones that fit. Describe the model by --params, by"
+        " (formulas: lightning_hybrid/planner/cost.py) and rank the ones that fit. Describe the model by --params, by"
         " its dimensions (--layers --hidden --heads --vocab --seq-len), or by --module; the cluster by --gpu"
         " and/or the four hardware numbers.",
     )
@@ -168,7 +168,7 @@ def _count(text: str) -> float:
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from lightning_hybrid.plan.search import plan
+    from lightning_hybrid.planner.search import plan
 
     try:
         if args.top < 1:
@@ -212,15 +212,15 @@ def _asked_layout(args: argparse.Namespace, model: ModelShape, cluster: Cluster,
     """The estimate of ``--layout`` (the strategy flags added to its own words), or None without it."""
     if args.layout is None:
         return None
-    from lightning_hybrid.plan.cost import estimate
-    from lightning_hybrid.plan.layout import parse_layout
+    from lightning_hybrid.planner.cost import estimate
+    from lightning_hybrid.planner.layout import parse_layout
 
     layout = replace(parse_layout(args.layout, cluster.gpus), **options)
     return estimate(model, cluster, layout, args.global_batch, args.precision)
 
 
 def _rank(asked: Estimate, estimates: list[Estimate]) -> Optional[int]:
-    from lightning_hybrid.plan.search import rank_of
+    from lightning_hybrid.planner.search import rank_of
 
     return rank_of(asked, estimates)
 
@@ -253,7 +253,7 @@ def _layout_report(asked: Estimate, estimates: list[Estimate]) -> str:
 
 
 def _model_from(args: argparse.Namespace) -> ModelShape:
-    from lightning_hybrid.plan.model import ModelShape
+    from lightning_hybrid.planner.model import ModelShape
 
     dimensions_given = args.layers is not None or args.hidden is not None
     ways = [flag for flag, given in (("--params", args.params is not None), ("--module", args.module is not None),

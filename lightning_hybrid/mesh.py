@@ -13,7 +13,7 @@ Example::
     lightning_view(mesh)                       # 2-D (data_parallel, tensor_parallel), as ModelParallelStrategy builds
 
 :func:`lightning_view` is the 2-D mesh a LightningModule written for Lightning's
-:class:`~lightning.pytorch.strategies.ModelParallelStrategy` receives (see :mod:`lightning_hybrid.model_parallel`);
+:class:`~lightning.pytorch.strategies.ModelParallelStrategy` receives (see :mod:`lightning_hybrid.glue.model_parallel_compat`);
 it also gives ``mesh`` Lightning's names as flattened aliases: ``mesh["data_parallel"]`` (replicas × shards) and
 ``mesh["tensor_parallel"]`` (``tp``).
 """
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_hybrid._compat import concatenate_meshes, flatten_mesh
-from lightning_hybrid.options import AUTO, Degree, check_degrees
+from lightning_hybrid.options.hybrid_options import AUTO, Degree, check_degrees
 
 PIPELINE = "pp"
 DATA_REPLICATE = "dp_replicate"

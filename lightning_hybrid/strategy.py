@@ -3,9 +3,9 @@
 Lightning glue only, in the style of Lightning's own :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
 (which this class extends for process groups, launching and cluster environments): each hook is short and
 delegates. The parallelisms are applied by :func:`lightning_hybrid.parallel.parallelize.parallelize`, an ``"auto"``
-layout is chosen by :mod:`lightning_hybrid.plan.auto_layout`, pipelined steps run in
+layout is chosen by :mod:`lightning_hybrid.planner.auto_layout`, pipelined steps run in
 :mod:`lightning_hybrid.pipeline.runtime` and checkpoints are read and written by
-:mod:`lightning_hybrid.checkpoint.lightning_io`.
+:mod:`lightning_hybrid.glue.checkpoint_io`.
 """
 
 from __future__ import annotations
@@ -28,37 +28,34 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid import _compat, model_parallel
-from lightning_hybrid.checkpoint import async_save, lightning_io
+from lightning_hybrid import _compat
+from lightning_hybrid.checkpoint import async_save
 from lightning_hybrid.checkpoint.data_position import make_resumable
-from lightning_hybrid.checkpoint.resume import CheckpointRecords
+from lightning_hybrid.glue import checkpoint_io, model_parallel_compat
+from lightning_hybrid.glue.callbacks import add_strategy_callbacks
+from lightning_hybrid.glue.precision import HybridPrecision, let_standalone_trainer_reach_precision, serving_plugin
 from lightning_hybrid.glue.setup_batch import SetupBatch, setup_probe
+from lightning_hybrid.glue.steps import RootStepRouter, free_stale_gradients, pipelined_backward, run_step_method
 from lightning_hybrid.mesh import ParallelDims, lightning_view
-from lightning_hybrid.metrics import sync_over
-from lightning_hybrid.observe.monitor import ParallelMonitor, add_monitor
+from lightning_hybrid.observe.monitor import ParallelMonitor
 from lightning_hybrid.observe.run_record import predict_fixed_layout, wants_prediction
-from lightning_hybrid.observe.summary import use_whole_model_summary
-from lightning_hybrid.option_signature import keyword_options, options_from
-from lightning_hybrid.options import HybridOptions
-from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan
-from lightning_hybrid.parallel.loss_parallel import sharded_logits
+from lightning_hybrid.options.hybrid_options import HybridOptions
+from lightning_hybrid.options.keywords import keyword_options, options_from
+from lightning_hybrid.options.recompute import CheckpointPlan
+from lightning_hybrid.options.schedules import PipelineSchedule
+from lightning_hybrid.parallel.fsdp import buffers_to_device
 from lightning_hybrid.parallel.parallelize import accept_user_parallelism, find_blocks, parallelize, recording_construction
-from lightning_hybrid.parallel.precision import HybridPrecision, let_standalone_trainer_reach_precision, serving_plugin
-from lightning_hybrid.parallel.sharding import buffers_to_device
+from lightning_hybrid.pipeline.metric_calls import sync_over
 from lightning_hybrid.pipeline.runtime import Pipeline
-from lightning_hybrid.pipeline.schedules import PipelineSchedule
-from lightning_hybrid.plan.auto_layout import adopt_layout, choose_for_run
-from lightning_hybrid.plan.layout import Estimate
+from lightning_hybrid.planner.auto_layout import adopt_layout, choose_for_run
+from lightning_hybrid.planner.layout import Estimate
 from lightning_hybrid.probe.record import first_block_call
 from lightning_hybrid.probe.step_probe import StepProbe
 from lightning_hybrid.resilience.lost_rank import explain_lost_rank
-from lightning_hybrid.resilience.watchdog import add_watchdog
-from lightning_hybrid.resilience.replicas import add_replica_check
-from lightning_hybrid.steps import RootStepRouter, free_stale_gradients
+from lightning_hybrid.tensor_parallel.loss_parallel import sharded_logits
 
 
 @keyword_options(HybridOptions)
@@ -75,9 +72,9 @@ class HybridStrategy(ModelParallelStrategy):
 
     ``strategy.device_mesh`` has the named dimensions ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp`` (and
     Lightning's ``data_parallel``, ``tensor_parallel`` as aliases); ``strategy.data_mesh`` flattens the data-parallel
-    ranks. What the LightningModule sees as ``self.device_mesh``: :mod:`lightning_hybrid.model_parallel`.
+    ranks. What the LightningModule sees as ``self.device_mesh``: :mod:`lightning_hybrid.glue.model_parallel_compat`.
 
-    The options are declared once, as the fields of :class:`~lightning_hybrid.options.HybridOptions`: the signature
+    The options are declared once, as the fields of :class:`~lightning_hybrid.options.hybrid_options.HybridOptions`: the signature
     and the entries below are generated from them; :meth:`from_options` takes a built one. For a module that
     parallelizes itself, ``dp``, ``tp`` and ``pp`` mean what they mean to ``ModelParallelStrategy``.
 
@@ -122,8 +119,7 @@ class HybridStrategy(ModelParallelStrategy):
         # The module this strategy parallelized: a later trainer.test()/predict() of it reuses it as fit left it.
         self._parallelized: Optional[torch.nn.Module] = None
         self._root_router = RootStepRouter()
-        # The setup probe's batch, until the loop has taken over its loader (see process_dataloader).
-        self._setup_batch: Optional[SetupBatch] = None
+        self._setup_batch: Optional[SetupBatch] = None  # the probe's, until the loop takes its loader over
 
     @classmethod
     def from_options(cls, options: HybridOptions, **arguments: Any) -> "HybridStrategy":
@@ -141,8 +137,8 @@ class HybridStrategy(ModelParallelStrategy):
         """Which blocks are activation-checkpointed (``None``: none)."""
         return self.options.checkpointing
 
-    # Around configure_model and trainer.init_module(empty_init=True) alike, meta-built values are recorded; not in
-    # model_sharded_context: Lightning warns that init_module is unsupported by any strategy that overrides it.
+    # Meta-built values recorded around configure_model and init_module(empty_init=True) alike: Lightning warns that
+    # init_module is unsupported by any strategy overriding model_sharded_context instead.
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
@@ -158,7 +154,7 @@ class HybridStrategy(ModelParallelStrategy):
         if self.options.chooses_layout:
             self.options.check_fixed_degrees_divide(world_size, self.num_nodes, self.num_processes)
         # With tp/pp="auto" these are Lightning's degrees, for configure_model; the layout is chosen at setup.
-        degrees = model_parallel.mesh_degrees(self.options, world_size, self.num_processes)
+        degrees = model_parallel_compat.mesh_degrees(self.options, world_size, self.num_processes)
         self.dims = ParallelDims(world_size=world_size, **degrees)
 
     @override
@@ -170,7 +166,7 @@ class HybridStrategy(ModelParallelStrategy):
         assert self.dims is not None and self.lightning_module is not None
         mesh, self.data_mesh = self.dims.build_mesh(self.root_device.type)
         # Until setup the module sees Lightning's 2-D mesh; reading it means the module parallelizes itself.
-        self._module_mesh = model_parallel.watch_reads(lightning_view(mesh)) if watched_view else None
+        self._module_mesh = model_parallel_compat.watch_reads(lightning_view(mesh)) if watched_view else None
         _compat.publish_device_mesh(self, self.lightning_module, mesh, self._module_mesh)
 
     @property
@@ -201,27 +197,23 @@ class HybridStrategy(ModelParallelStrategy):
     @override
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
-        # Clipping reduces its norm over the pipeline on this device, the one NCCL needs, also where a rank holds no
-        # gradient (a frozen stage) or holds them in CPU memory (offload).
-        self.precision_plugin.device = self.root_device  # type: ignore[attr-defined]
+        # Clipping adds the norm up over the pipeline's stages, on this device: the one NCCL needs, also where a rank
+        # holds no gradient (a frozen stage) or holds them in CPU memory (offload).
+        plugin = self.precision_plugin
+        plugin.device, plugin.pipeline = self.root_device, self.pipeline  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------------------------------------- setup
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not any(isinstance(callback, CheckpointRecords) for callback in trainer.callbacks):
-            trainer.callbacks.append(CheckpointRecords())
-        add_monitor(trainer, self._monitor)
-        use_whole_model_summary(trainer)  # the summary table counts every pipeline stage, not rank 0's
-        add_watchdog(trainer, self.options.watchdog_timeout)
+        add_strategy_callbacks(trainer, self.options, self._monitor)
         self._async_saves = async_save.attach(trainer, self.options, self._async_saves, self._timeout)
-        add_replica_check(trainer, self.options.check_replicas_every_n_steps)
-        read_mesh = model_parallel.stop_watching(self._module_mesh)
+        read_mesh = model_parallel_compat.stop_watching(self._module_mesh)
         if self._parallelized is self.model:  # a later trainer.test()/predict() reuses the module fit left
             _compat.publish_device_mesh(self, self.lightning_module, self.device_mesh)
-        elif model_parallel.parallelizes_itself(self.model, read_mesh, self.data_mesh.size()):
-            self.options = model_parallel.keep_given_degrees(self.options, self.dims)
+        elif model_parallel_compat.parallelizes_itself(self.model, read_mesh, self.data_mesh.size()):
+            self.options = model_parallel_compat.keep_given_degrees(self.options, self.dims)
             accept_user_parallelism(self.model, self.options, self.root_device)
             self.precision_plugin.convert_module(self.model)
         else:
@@ -243,8 +235,7 @@ class HybridStrategy(ModelParallelStrategy):
             module.to(self.root_device)
         blocks = find_blocks(module, self.options)
         # The user's step on the first batch, recorded once for everything below that plans from it.
-        self._setup_batch = SetupBatch(trainer)
-        probe = setup_probe(trainer, self._setup_batch, module, blocks, self.root_device)
+        self._setup_batch, probe = setup_probe(trainer, module, blocks, self.root_device)
         if self.options.chooses_layout:
             self._choose_layout(trainer, module, blocks, probe)
         elif wants_prediction(trainer):  # the fixed layout's estimate, for the monitor's plan/...
@@ -253,16 +244,12 @@ class HybridStrategy(ModelParallelStrategy):
                              data_mesh=self.data_mesh, precision=str(self.precision_plugin.precision),
                              device=self.root_device, probe=probe)
         self.pipeline, self.tp_plan_applied = result.pipeline, result.tp_plan
-        if self.pipeline is not None:
-            self.precision_plugin.pipeline = self.pipeline  # type: ignore[attr-defined]
 
     def _choose_layout(self, trainer: Trainer, module: Any, blocks: Any, probe: StepProbe) -> None:
-        """Choose the layout for tp/pp="auto" (see :mod:`lightning_hybrid.plan.auto_layout`) from the probe's first
-        block call, adopt its degrees and the options it chose, and build its mesh."""
+        """tp/pp="auto": the layout chosen from the probe's first block call, adopted, and its mesh built."""
         self.layout_estimate, self.layout_note = choose_for_run(
             module, blocks.path, first_block_call(probe.record()), self.options, device=self.root_device,
-            nodes=self.num_nodes,
-            devices_per_node=self.num_processes, precision=str(self.precision_plugin.precision),
+            nodes=self.num_nodes, devices_per_node=self.num_processes, precision=str(self.precision_plugin.precision),
             accumulation=trainer.accumulate_grad_batches)
         rank_zero_info(f"HybridStrategy(tp={self.options.tp!r}, pp={self.options.pp!r}) {self.layout_note}")
         self.options = adopt_layout(self.options, self.layout_estimate.layout)
@@ -277,7 +264,7 @@ class HybridStrategy(ModelParallelStrategy):
         buffers_to_device(self.model, self.root_device)  # FSDP2 keeps offloaded shards in CPU memory
 
     # -------------------------------------------------------------------------------------------- steps
-    # FSDP2 hooks the root's __call__; Lightning calls training_step directly (see lightning_hybrid.steps).
+    # FSDP2 hooks the root's __call__; Lightning calls training_step directly (see lightning_hybrid.glue.steps).
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None
@@ -301,29 +288,14 @@ class HybridStrategy(ModelParallelStrategy):
             return self._through_call("predict_step", *args, **kwargs)
 
     def _through_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        if self.pipeline is not None:
-            return self.pipeline.run_step(method, *args, **kwargs)
-        with sharded_logits(module, self.options.loss_parallel) as plain:  # loss_parallel=True: logits stay sharded
-            if isinstance(module, FSDPModule):
-                return plain(self._root_router.run(self, module, method, *args, **kwargs))
-            return plain(getattr(module, method)(*args, **kwargs))
+        return run_step_method(self, self._root_router, method, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is None:
             with sharded_logits(self.lightning_module, self.options.loss_parallel):  # the loss's backward too
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # The schedule already ran every microbatch's backward inside training_step; Lightning's zero_grad came
-        # after that, so the step's gradients are added now, where loss.backward() would have put them.
-        assert self.lightning_module is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.pipeline.add_step_gradients()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+        return pipelined_backward(self, closure_loss)  # the schedule ran backward inside training_step
 
     # ------------------------------------------------------------------------------------------- checkpoints
     @override
@@ -332,14 +304,14 @@ class HybridStrategy(ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         assert self.model is not None
         optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return lightning_io.optimizer_state(self.model, optimizer)
+        return checkpoint_io.optimizer_state(self.model, optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, PathLike],
                         storage_options: Optional[Any] = None) -> None:
         if not self.options.save_distributed_checkpoint or storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        lightning_io.save_checkpoint(checkpoint, Path(self.broadcast(filepath)), self.global_rank, self.barrier,
+        checkpoint_io.save_checkpoint(checkpoint, Path(self.broadcast(filepath)), self.global_rank, self.barrier,
                                      self._async_saves)
 
     @override
@@ -350,7 +322,7 @@ class HybridStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, PathLike], weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
-        return lightning_io.load_checkpoint(Path(self.broadcast(checkpoint_path)), self.model, self.optimizers,
+        return checkpoint_io.load_checkpoint(Path(self.broadcast(checkpoint_path)), self.model, self.optimizers,
                                             strict=self.lightning_module.strict_loading, weights_only=weights_only)
 
     @override
@@ -359,11 +331,9 @@ class HybridStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------------------------------- collectives
     @override
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Tensor:
-        # Tensor-parallel ranks hold copies of one replica's values: reducing over WORLD would count each replica
-        # tp times, which a "sum" would show. Default to the data-parallel group.
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
+        # Tensor-parallel ranks hold copies of one replica's values: over WORLD a "sum" would count each tp times.
         if group is None and self.data_mesh is not None:
             group = self.data_mesh.get_group()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)

@@ -400,7 +400,7 @@ def kill_switch(spec: str, signum: int = signal.SIGKILL) -> pl.Callback:
         FileSystemWriter.write_data = write_data
         return pl.Callback()
     # Signalled when the N-th checkpoint save starts on this rank, while the other ranks are writing theirs.
-    import lightning_hybrid.checkpoint.lightning_io as strategy_module
+    import lightning_hybrid.glue.checkpoint_io as strategy_module
 
     original, calls = strategy_module.save_sharded, [0]
 
@@ -445,7 +445,7 @@ def _time_checkpoint_io(strategy: Any) -> dict[str, list[float]]:
 def _summary_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[int, int]:
     """(total, trainable) parameters of the model summary: HybridStrategy's (collective), else Lightning's."""
     if hasattr(trainer.strategy, "pipeline"):  # HybridStrategy, imported lazily: the reference runs without it
-        from lightning_hybrid.observe.summary import summarize_whole_model
+        from lightning_hybrid.observe.parameter_counts import summarize_whole_model
 
         summary = summarize_whole_model(trainer, pl_module)
     else:
@@ -566,7 +566,7 @@ def make_strategy(args: argparse.Namespace, sweep_entry: dict[str, Any], tensorb
     kwargs.update(args.strategy_kwargs)
     kwargs.update(sweep_entry)
     if isinstance(kwargs.get("cluster"), dict):  # JSON has no Cluster: its fields
-        from lightning_hybrid.plan.hardware import Cluster
+        from lightning_hybrid.hardware import Cluster
 
         kwargs["cluster"] = Cluster(**kwargs["cluster"])
     return HybridStrategy(**kwargs)

@@ -38,14 +38,14 @@ import pytest
 import yaml
 
 from lightning_hybrid.cli import main as lightning_hybrid_main
-from lightning_hybrid.options import HybridOptions
-from lightning_hybrid.plan import search
-from lightning_hybrid.plan.auto_layout import candidate_layouts
-from lightning_hybrid.plan.cost import estimate
-from lightning_hybrid.plan.hardware import GIB, GPU_PRESETS, Cluster
-from lightning_hybrid.plan.layout import Estimate, Layout
-from lightning_hybrid.plan.model import ModelShape
-from lightning_hybrid.pipeline.schedules import PLANNED_SCHEDULES
+from lightning_hybrid.options.hybrid_options import HybridOptions
+from lightning_hybrid.planner import search
+from lightning_hybrid.planner.auto_layout import candidate_layouts
+from lightning_hybrid.planner.cost import estimate
+from lightning_hybrid.hardware import GIB, GPU_PRESETS, Cluster
+from lightning_hybrid.planner.layout import Estimate, Layout
+from lightning_hybrid.planner.model import ModelShape
+from lightning_hybrid.options.schedules import PLANNED_SCHEDULES
 from recipes import finetune_hf, pretrain_gpt
 from recipes.data import GrammarDataModule
 

@@ -22,7 +22,7 @@ def _functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
 
 def test_the_strategy_is_glue_and_modules_and_functions_stay_small() -> None:
     lines = {path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines()) for path in MODULES}
-    assert lines["strategy.py"] <= 400
+    assert lines["strategy.py"] <= 350  # glue: each hook short and delegating (issue 28)
     assert {name: count for name, count in lines.items() if count > 400} == {}
     long_functions = [
         f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"

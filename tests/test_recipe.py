@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_hybrid import HybridStrategy
-from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan
+from lightning_hybrid.options.recompute import CheckpointPlan
 from recipes import finetune_hf, pretrain_gpt
 from recipes.gpt import GPT, GPTConfig
 from tests.tensorboard_http import TensorBoardServer

@@ -25,10 +25,10 @@ from typing import Any, Optional
 import pytest
 
 from lightning_hybrid.cli import main as lightning_hybrid_main
-from lightning_hybrid.plan import search
-from lightning_hybrid.plan.cost import estimate
-from lightning_hybrid.plan.hardware import GIB
-from lightning_hybrid.plan.layout import Estimate, parse_layout
+from lightning_hybrid.planner import search
+from lightning_hybrid.planner.cost import estimate
+from lightning_hybrid.hardware import GIB
+from lightning_hybrid.planner.layout import Estimate, parse_layout
 from tests.test_cluster_configs import cluster_configs, read_header
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "tuning.md"

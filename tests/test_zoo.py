@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.parallel.parallelize import find_blocks
 from tests.helpers import SHORT_RUN, assert_equivalent, cached_runs, run_sweep
 from tests.models import build_module
@@ -216,8 +216,8 @@ def test_unsupported_combinations_stop_with_a_message_naming_the_module(model: s
 
     from lightning_hybrid.probe.blocks import find_block_list
     from lightning_hybrid.probe.record import record_step
-    from lightning_hybrid.parallel.dataflow import trace_block
-    from lightning_hybrid.parallel.tp_plan import plan_block
+    from lightning_hybrid.tensor_parallel.dataflow import trace_block
+    from lightning_hybrid.tensor_parallel.block_plan import plan_block
 
     module = build_module(model)
     _, blocks = find_block_list(module)

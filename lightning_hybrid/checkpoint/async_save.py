@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lightning_hybrid._compat import lightning_metadata_path
 from lightning_hybrid.checkpoint.integrity import record_all_checksums
-from lightning_hybrid.checkpoint.sharded import checkpointable, publish_checkpoint
-from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.checkpoint.dcp_io import checkpointable, publish_checkpoint
+from lightning_hybrid.options.hybrid_options import HybridOptions
 
 log = logging.getLogger(__name__)
 

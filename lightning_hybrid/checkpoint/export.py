@@ -31,7 +31,7 @@ from typing import Union
 import torch
 
 from lightning_hybrid._compat import lightning_metadata_path, read_dcp_in_one_process
-from lightning_hybrid.checkpoint.sharded import MODULE_STATE_KEY
+from lightning_hybrid.checkpoint.dcp_io import MODULE_STATE_KEY
 
 
 def require_sharded_checkpoint(checkpoint: Union[str, os.PathLike]) -> Path:

@@ -11,7 +11,7 @@ or ``lightning-hybrid export checkpoints/epoch=3-step=4000.ckpt hf_model --hf``.
 * **Which model, which names.** The checkpoint stores the LightningModule's state dict (``model.lm_head.weight``);
   the Hugging Face names are those under the outermost ``PreTrainedModel`` inside it, found by type, not by
   attribute name. The module is built on the meta device (no memory) from the class ``HybridStrategy`` recorded
-  in the checkpoint (``lightning_hybrid.checkpoint.resume``) or the one ``module`` names, with the hyperparameters
+  in the checkpoint (``lightning_hybrid.glue.checkpoint_records``) or the one ``module`` names, with the hyperparameters
   the checkpoint saved (``module_kwargs`` add to or override them), ``configure_model()`` included. A built module
   (any device) may be passed instead.
 * **config.json** is the found model's ``config`` (with ``architectures`` and ``dtype`` set as ``save_pretrained``
@@ -49,9 +49,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_hybrid._compat import lightning_metadata_path
 from lightning_hybrid.checkpoint.export import require_sharded_checkpoint
-from lightning_hybrid.checkpoint.resume import MODULE_CLASS_KEY
-from lightning_hybrid.checkpoint.sharded import MODULE_STATE_KEY, partial_checkpoint_path
-from lightning_hybrid.plan.model import instantiate_on_meta
+from lightning_hybrid.checkpoint.dcp_io import MODULE_STATE_KEY, partial_checkpoint_path
+from lightning_hybrid.checkpoint.module_class import MODULE_CLASS_KEY, instantiate_on_meta
 
 #: The Hugging Face Hub's default shard size (``huggingface_hub``): a shard is what the export holds in memory.
 DEFAULT_MAX_SHARD_SIZE = "5GB"

@@ -7,7 +7,7 @@ strategy has sharded the model (tensor parallelism, pipeline stages, FSDP2), eve
 storage reader reads those slices from the safetensors files (``safe_open(...).get_slice``): no rank reads a tensor
 it does not hold, none holds the whole model. Fused projections dealt to ranks in strided pieces are described
 piece by piece, and every tensor in blocks of rows of at most :data:`READ_BLOCK_BYTES`
-(:func:`lightning_hybrid.checkpoint.sharded.in_row_blocks`), so a rank holds its shards plus one such block.
+(:func:`lightning_hybrid.checkpoint.dcp_io.in_row_blocks`), so a rank holds its shards plus one such block.
 
 Names: the ``PreTrainedModel`` inside the LightningModule is found by type; its path (``model.`` for
 ``self.model = AutoModelForCausalLM...``) is stripped from the LightningModule's names. A weight Hugging Face saves
@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from lightning_hybrid.checkpoint.sharded import in_row_blocks
+from lightning_hybrid.checkpoint.dcp_io import in_row_blocks
 
 #: The most a rank reads at once (the Hugging Face reader materializes each box it is asked for before copying it).
 READ_BLOCK_BYTES = 16 * 2**20

@@ -22,8 +22,8 @@ loop receives is the one the loader produced.
 
 Example::
 
-    batch = SetupBatch(trainer)                 # kept by the strategy until the loop processes its loaders
-    probe = setup_probe(trainer, batch, module, blocks, torch.device("cpu"))
+    batch, probe = setup_probe(trainer, module, blocks, torch.device("cpu"))  # the strategy keeps the batch
+
     probe.record()                              # the step ran once, on the loop's first batch
 """
 
@@ -123,10 +123,12 @@ def _loaders_of(loaders: Any) -> tuple[list[Any], Any]:
     return leaves, lambda changed: tree_unflatten(changed, spec)
 
 
-def setup_probe(trainer: Trainer, batch: SetupBatch, module: nn.Module, blocks: BlockList,
-                device: torch.device) -> StepProbe:
-    """The :class:`~lightning_hybrid.probe.step_probe.StepProbe` of the trainer's current step on ``batch``'s
-    first batch, converted as Lightning's loop converts it (see the module docstring)."""
+def setup_probe(trainer: Trainer, module: nn.Module, blocks: BlockList,
+                device: torch.device) -> tuple[SetupBatch, StepProbe]:
+    """The :class:`SetupBatch` of the trainer's current loop (the strategy keeps it until the loop has processed its
+    loaders) and the :class:`~lightning_hybrid.probe.step_probe.StepProbe` of the current step on its first batch,
+    converted as Lightning's loop converts it (see the module docstring)."""
+    batch = SetupBatch(trainer)
     prepared: list[Any] = []
 
     def run_step(microbatches: int) -> Any:
@@ -139,7 +141,7 @@ def setup_probe(trainer: Trainer, batch: SetupBatch, module: nn.Module, blocks: 
 
     # Taking the batch starts the loop's own iterator, which draws its seed from the random stream as the loop would
     # have: done before the probe isolates its runs, so that the draw stays.
-    return StepProbe(module, blocks, run_step, device, prepare=lambda: batch.batch)
+    return batch, StepProbe(module, blocks, run_step, device, prepare=lambda: batch.batch)
 
 
 def first_microbatch(batch: Any, microbatches: int) -> Any:

@@ -60,9 +60,9 @@ from lightning_hybrid.observe.profiling import CommunicationProfile, TraceWindow
 from lightning_hybrid.observe.progress import ProgressFigures, place_before_progress_bar
 from lightning_hybrid.observe.run_record import record_run
 from lightning_hybrid.observe.timeline import bubble_metrics, render_timeline, timeline_bubble, to_chrome_trace
-from lightning_hybrid.parallel.precision import total_grad_norm
-from lightning_hybrid.pipeline.timing import StepTimeline
-from lightning_hybrid.plan.probe import device_peak_flops
+from lightning_hybrid.parallel.grad_norm import total_grad_norm
+from lightning_hybrid.pipeline.step_recorder import StepTimeline
+from lightning_hybrid.planner.hardware_probe import device_peak_flops
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ same texts as hyperparameters with string values):
   stages, activation checkpointing and precision, also logged as hyperparameters ``layout/...`` (the "HParams" tab);
 * ``run/tp_plan``: the tensor-parallel plan applied, module pattern → style;
 * ``run/stages``: per pipeline stage its blocks, its parameters and what one of its ranks holds (the whole-model
-  summary's counts, :mod:`lightning_hybrid.observe.summary`);
+  summary's counts, :mod:`lightning_hybrid.observe.parameter_counts`);
 * with ``ParallelMonitor(predict=True)`` (the default) ``plan/prediction`` (text) and the scalars
   ``plan/memory_gib``, ``plan/tokens_per_sec``, ``plan/step_time_sec``, ``plan/mfu``: the cost model's figures for
   this layout, to read next to the measured ``memory/peak_gib_max``, ``throughput/tokens_per_sec`` and
@@ -34,12 +34,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_hybrid.observe.profiling import TraceWindow
-from lightning_hybrid.observe.summary import WholeModelSummary, describe_shares, summarize_whole_model
+from lightning_hybrid.observe.parameter_counts import WholeModelSummary, describe_shares, summarize_whole_model
 from lightning_hybrid.probe.record import first_block_call
 from lightning_hybrid.probe.step_probe import StepProbe
-from lightning_hybrid.plan.auto_layout import estimate_for_run
-from lightning_hybrid.plan.hardware import GIB
-from lightning_hybrid.plan.layout import Estimate
+from lightning_hybrid.planner.auto_layout import estimate_for_run
+from lightning_hybrid.hardware import GIB
+from lightning_hybrid.planner.layout import Estimate
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Pictures of one pipelined step: a Gantt chart image and a Chrome trace of every rank's compute actions.
 
-Input is one :class:`~lightning_hybrid.pipeline.timing.StepTimeline` per pipeline rank, for the same step. Each rank timed
+Input is one :class:`~lightning_hybrid.pipeline.step_recorder.StepTimeline` per pipeline rank, for the same step. Each rank timed
 its actions from its own start of the step, and all ranks leave the step together (its closing broadcast), so the
 timelines are aligned at their ends: a rank that entered later is shifted right by the difference in durations.
 
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from lightning_hybrid.pipeline.timing import ActionSpan, StepTimeline
+from lightning_hybrid.pipeline.step_recorder import ActionSpan, StepTimeline
 
 #: Colours of the action kinds: forward, full backward, input-gradient backward, weight-gradient backward.
 KIND_COLOURS = {"F": (66, 133, 244), "B": (52, 168, 83), "I": (251, 188, 5), "W": (234, 67, 53)}

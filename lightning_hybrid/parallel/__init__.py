@@ -1,5 +1,5 @@
-"""The parallelisms applied to a module, one concern per module, and the one driver that applies them in order
-(:mod:`~.parallelize`): finding the blocks (:mod:`~.blocks`), tracing a block's data flow (:mod:`~.dataflow`),
-tensor parallelism planned (:mod:`~.tp_plan`) and applied (:mod:`~.tensor_parallel`), activation checkpointing
-(:mod:`~.activation_checkpointing`), FSDP2 (:mod:`~.sharding`), meta-device initialization
-(:mod:`~.initialization`) and precision and clipping (:mod:`~.precision`)."""
+"""The driver and what it applies besides tensor and pipeline parallelism: :mod:`~.parallelize` (the one driver: every
+parallelism in a fixed, commented order), activation checkpointing (:mod:`~.activation_checkpointing`),
+``torch.compile`` per block (:mod:`~.compile`), FSDP2 and ZeRO levels (:mod:`~.fsdp`), meta-device initialization
+(:mod:`~.initialization`, :mod:`~.construction`) and the gradient norm over every mesh and stage
+(:mod:`~.grad_norm`). Import from the modules: this package imports none of them."""

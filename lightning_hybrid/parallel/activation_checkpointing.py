@@ -1,6 +1,7 @@
 """Activation checkpointing per block: store a block's inputs in forward, recompute its insides in backward.
 
-Modes (``HybridStrategy(activation_checkpointing=...)``):
+Modes (``HybridStrategy(activation_checkpointing=...)``, resolved into a
+:class:`~lightning_hybrid.options.recompute.CheckpointPlan`):
 
 ================  ===========================================================================================
 ``None``          store every activation autograd saves (fastest, most memory)
@@ -28,16 +29,13 @@ Example::
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Optional, Union
+from typing import Any, Iterable
 
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_hybrid._compat import existing_ops
-
-# int before the names: a configuration parser (LightningCLI) then reads "2" as every 2nd block, not a bad mode.
-ActivationCheckpointing = Optional[Union[int, Literal["none", "every", "selective"]]]
+from lightning_hybrid.options.recompute import CheckpointPlan
 
 #: Operations whose outputs selective checkpointing keeps: the expensive ones to recompute (matmuls, attention)
 #: and collectives, whose recompute would add communication to backward. Attention kernels and functional
@@ -55,40 +53,6 @@ _KEPT_BY_SELECTIVE = existing_ops([
     "_c10d_functional.reduce_scatter_tensor.default",
     "_c10d_functional.all_gather_into_tensor.default",
 ])
-
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """Which blocks are checkpointed and how (see the module docstring)."""
-
-    every: int
-    selective: bool = False
-
-    @classmethod
-    def resolve(cls, mode: ActivationCheckpointing) -> Optional["CheckpointPlan"]:
-        """The plan for a ``HybridStrategy(activation_checkpointing=...)`` value; ``None`` for no checkpointing."""
-        if mode is None or mode == "none":
-            return None
-        if mode == "every":
-            return cls(every=1)
-        if mode == "selective":
-            return cls(every=1, selective=True)
-        if isinstance(mode, int) and not isinstance(mode, bool):
-            if mode <= 0:
-                raise ValueError(
-                    f"HybridStrategy(activation_checkpointing={mode}) is invalid: an integer N checkpoints every"
-                    " N-th block and must be ≥ 1 (1 is the same as 'every'); use None for no checkpointing."
-                )
-            return cls(every=mode)
-        raise ValueError(
-            f"HybridStrategy(activation_checkpointing={mode!r}) is not a mode: use None (store all activations),"
-            " 'every' (checkpoint every block), an integer N ≥ 1 (every N-th block) or 'selective' (every block,"
-            " keeping matmul and attention outputs)."
-        )
-
-    def covers(self, block_index: int) -> bool:
-        """Whether block ``block_index`` (0-based, over the whole model) is checkpointed."""
-        return (block_index + 1) % self.every == 0
 
 
 def apply_activation_checkpointing(indexed_blocks: Iterable[tuple[int, nn.Module]], plan: CheckpointPlan) -> int:

@@ -30,42 +30,21 @@ meshes), which torch 2.13's AOTAutograd fails to compile (see
 
 Example::
 
-    arguments = compile_arguments({"mode": "max-autotune-no-cudagraphs"})   # True → {}
+    arguments = compile_arguments({"mode": "max-autotune-no-cudagraphs"})   # lightning_hybrid.options.feature_checks
     compiled, kept = compile_blocks(module, "model.blocks", [model.blocks[0], model.blocks[1]], arguments)
 """
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from lightning_hybrid._compat import is_compiled, let_compiled_backward_run_twice
 
-Compile = Union[bool, Mapping[str, Any]]
-
 _TORCH_DIR = Path(torch.__file__).parent
-
-
-def compile_arguments(value: Compile) -> Optional[dict[str, Any]]:
-    """The ``torch.compile`` keyword arguments of ``HybridStrategy(compile=value)``: ``None`` for no
-    compilation, ``{}`` for ``True``, the dict's items otherwise. Anything else, or a key ``torch.compile`` does
-    not take, raises a ``ValueError`` naming what to pass."""
-    if value is True or value is False:
-        return {} if value else None
-    accepted = sorted(set(inspect.signature(torch.compile).parameters) - {"model"})
-    if not isinstance(value, Mapping):
-        raise ValueError(f"HybridStrategy(compile={value!r}) is invalid: pass True (torch.compile every block), False,"
-                         f" or a dict of torch.compile keyword arguments ({', '.join(accepted)}), e.g."
-                         " {'mode': 'max-autotune-no-cudagraphs'}.")
-    unknown = sorted(str(key) for key in value if key not in accepted)
-    if unknown:
-        raise ValueError(f"HybridStrategy(compile={dict(value)!r}): {', '.join(unknown)} are not torch.compile"
-                         f" arguments; the dict takes {', '.join(accepted)}.")
-    return dict(value)
 
 
 def compile_blocks(module: nn.Module, blocks_path: str, blocks: Sequence[nn.Module], arguments: Mapping[str, Any],

@@ -11,7 +11,7 @@
    unit (the stand-ins other stages need) before any later step changes them; from here on this rank works on its
    own stages' blocks only;
 2. **tensor parallelism**: replaces the blocks' parameters with DTensors on the tensor mesh, and the token
-   embedding's and head's with shards over the vocabulary (:mod:`lightning_hybrid.parallel.tp_vocab`; which they
+   embedding's and head's with shards over the vocabulary (:mod:`lightning_hybrid.tensor_parallel.vocab`; which they
    are was read from the record, of the unmodified model);
 3. **activation checkpointing**: after tensor parallelism, so the recomputed forward runs the sharded layers and
    their collectives; inside the FSDP2 units applied next, so their hooks gather parameters for the recompute;
@@ -49,19 +49,20 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.checkpoint.hf_load import load_pretrained
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims
-from lightning_hybrid.options import HybridOptions
-from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
+from lightning_hybrid.options.hybrid_options import HybridOptions
+from lightning_hybrid.options.recompute import CheckpointPlan
+from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_hybrid.probe.blocks import BlockList, find_block_list
 from lightning_hybrid.probe.step_probe import StepProbe
 from lightning_hybrid.parallel.compile import compile_blocks
 from lightning_hybrid.parallel.construction import recorded_values, recording_construction  # noqa: F401 (strategy's)
 from lightning_hybrid.parallel.initialization import materialize_meta_module
-from lightning_hybrid.parallel.loss_parallel import require_sharded_head
-from lightning_hybrid.parallel.sharding import FSDPOptions, apply_fsdp, mixed_precision_policy
-from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
-from lightning_hybrid.parallel.tp_vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
+from lightning_hybrid.tensor_parallel.loss_parallel import require_sharded_head
+from lightning_hybrid.parallel.fsdp import FSDPOptions, apply_fsdp, mixed_precision_policy
+from lightning_hybrid.tensor_parallel.apply import apply_tensor_parallel
+from lightning_hybrid.tensor_parallel.vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
 from lightning_hybrid.pipeline.runtime import Pipeline, build_pipeline
-from lightning_hybrid.pipeline.schedules import PipelineSchedule
+from lightning_hybrid.options.schedules import PipelineSchedule
 
 @dataclass
 class Parallelized:
@@ -255,7 +256,7 @@ def already_parallel(module: nn.Module) -> bool:
 
 
 def accept_user_parallelism(module: nn.Module, options: HybridOptions, device: torch.device) -> None:
-    """For a module that parallelizes itself (see :mod:`lightning_hybrid.model_parallel`): apply nothing but
+    """For a module that parallelizes itself (see :mod:`lightning_hybrid.glue.model_parallel_compat`): apply nothing but
     materialization, and refuse the options only :func:`parallelize` can apply."""
     if options.pp != 1:
         # The split traces and cuts the unmodified model; FSDP2 roots and DTensors applied over the whole model

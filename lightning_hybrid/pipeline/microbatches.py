@@ -28,7 +28,6 @@ import contextlib
 import inspect
 from typing import Any, Callable, Iterator, Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode

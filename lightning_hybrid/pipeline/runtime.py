@@ -46,7 +46,7 @@ from lightning_hybrid.pipeline.dispatch import (
     tensor_leaves,
 )
 from lightning_hybrid.pipeline.microbatches import LossTerms, StageBuffers, samples
-from lightning_hybrid.pipeline.schedules import PipelineSchedule
+from lightning_hybrid.options.schedules import PipelineSchedule
 from lightning_hybrid.pipeline.semantics import (
     check_batch,
     combine_logs,
@@ -57,18 +57,18 @@ from lightning_hybrid.pipeline.semantics import (
     to_cpu,
 )
 from lightning_hybrid.mesh import PIPELINE
-from lightning_hybrid.metrics import (
+from lightning_hybrid.pipeline.metric_calls import (
     MetricCall,
     MetricRef,
     combine_metric_calls,
     recording_metric_calls,
     replay_metric_calls,
 )
-from lightning_hybrid.pipeline.measured import MeasuredSplit, resolve_split
+from lightning_hybrid.pipeline.timed_split import MeasuredSplit, resolve_split
 from lightning_hybrid.pipeline.shared import SharedParameter, combine_gradients, counted_elsewhere, shared_parameters
 from lightning_hybrid.pipeline.split import StageSplit, check_block_runs, plan_split
 from lightning_hybrid.probe.step_probe import StepProbe
-from lightning_hybrid.pipeline.timing import StepRecorder, StepTimeline
+from lightning_hybrid.pipeline.step_recorder import StepRecorder, StepTimeline
 
 _TWO_LOCAL_STAGES = (
     "'{name}' lives on pipeline stages {stages}, which pp_schedule='{schedule}' places on the same rank, and FSDP2"
@@ -86,7 +86,7 @@ def build_pipeline(module: Any, blocks_path: str, blocks: BlockList, schedule: P
                    pp_split: Union[None, str, Sequence[int]] = None,
                    compute_dtype: Optional[torch.dtype] = None) -> "Pipeline":
     """Split the step the setup ``probe`` recorded into the schedule's stages (``pp_split`` blocks per stage;
-    ``"measured"``: by the probe's step timed, :mod:`lightning_hybrid.pipeline.measured`; else by its FLOPs) and keep
+    ``"measured"``: by the probe's step timed, :mod:`lightning_hybrid.pipeline.timed_split`; else by its FLOPs) and keep
     meta-device copies of every unit before any other parallelism changes them. ``mesh``: the whole device mesh."""
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(f"HybridStrategy(pp > 1): {NEEDS_AUTOMATIC_OPTIMIZATION}. Set"

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_hybrid._compat import tree_flatten, tree_unflatten
-from lightning_hybrid.metrics import MetricRef, metrics_of, recording_metric_calls
+from lightning_hybrid.pipeline.metric_calls import MetricRef, metrics_of, recording_metric_calls
 from lightning_hybrid.probe.blocks import detached
 
 
@@ -112,7 +112,7 @@ def _reduction(reduce_fx: Any, name: str) -> Callable[..., Tensor]:
 @contextlib.contextmanager
 def recording_logs(module: Any, logs: list) -> Iterator[None]:
     """Collect ``self.log(name, value, ...)`` calls of the step instead of logging them (a torchmetrics ``Metric``
-    as a :class:`~lightning_hybrid.metrics.MetricRef` to it)."""
+    as a :class:`~lightning_hybrid.pipeline.metric_calls.MetricRef` to it)."""
     metric_names = {id(metric): name for name, metric in metrics_of(module).items()}
 
     def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.mesh import DATA_REPLICATE, DATA_SHARD, PIPELINE
-from lightning_hybrid.pipeline.schedules import PipelineSchedule
+from lightning_hybrid.options.schedules import PipelineSchedule
 from lightning_hybrid.pipeline.split import StageSplit
 
 

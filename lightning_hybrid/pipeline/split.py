@@ -1,7 +1,7 @@
 """Split an unmodified model into pipeline stages: what runs and what lives where, decided from one traced step.
 
 The model is cut between its repeated blocks (:func:`lightning_hybrid.probe.blocks.find_block_list`), balanced by
-each block's traced FLOPs (or measured time: :mod:`lightning_hybrid.pipeline.measured`). Every other module that
+each block's traced FLOPs (or measured time: :mod:`lightning_hybrid.pipeline.timed_split`). Every other module that
 holds parameters — embeddings, final norm, head, whatever the user named them — goes with the stages that call it
 (the setup probe's record, :mod:`lightning_hybrid.probe.record`): before the first block → the first stage, after the last block → the last
 stage, between blocks → every stage. A parameter lives on every stage that reads it, whichever module holds it: a

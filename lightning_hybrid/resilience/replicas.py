@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional, Sequence
 

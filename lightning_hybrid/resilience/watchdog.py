@@ -15,7 +15,7 @@ training collectives: a daemon thread publishes this rank's beat every few secon
   launcher.
 
 Every rank that sees it prints one message to stderr and exits with :data:`EXIT_CODE`; a checkpoint being written
-at that moment stays under its ``.partial`` name (see :mod:`lightning_hybrid.checkpoint.lightning_io`). Progress
+at that moment stays under its ``.partial`` name (see :mod:`lightning_hybrid.glue.checkpoint_io`). Progress
 is any batch end (training, validation, test, predict): all the training thread does is count it. Until a rank
 has finished the first batch of a loop or epoch, or after it started saving a checkpoint, the progress bound is
 :data:`FIRST_BATCH_ALLOWANCE` times longer (compilation, shape inference, writing); liveness is bounded alike

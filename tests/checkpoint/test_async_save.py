@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.checkpoint.async_save import AsyncSaves, wait_if_writing
 from lightning_hybrid.checkpoint.export import load_module_state
-from lightning_hybrid.checkpoint.sharded import partial_checkpoint_path
+from lightning_hybrid.checkpoint.dcp_io import partial_checkpoint_path
 from tests.helpers import ScriptError, run_script, run_sweep
 from tests.observe.test_counting import one_rank_group  # noqa: F401  (the fixture)
 

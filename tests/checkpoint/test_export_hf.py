@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_hybrid.checkpoint.export import load_module_state
 from lightning_hybrid.checkpoint.hf_export import export_hugging_face
-from lightning_hybrid.checkpoint.resume import module_class_path
-from lightning_hybrid.plan.model import import_class, instantiate_on_meta
+from lightning_hybrid.glue.checkpoint_records import module_class_path
+from lightning_hybrid.checkpoint.module_class import import_class, instantiate_on_meta
 from tests.helpers import cached_runs, run_package_command, run_script
 from tests.models import LMLightningModule, build_module
 
@@ -150,7 +150,7 @@ def test_the_module_class_is_recorded_importably_also_for_a_class_defined_in_the
     assert module_class_path(LMLightningModule) == MODULE
     script = tmp_path / "train.py"
     script.write_text("import torch\nclass Net(torch.nn.Module):\n    pass\nif __name__ == '__main__':\n"
-                      "    from lightning_hybrid.checkpoint.resume import module_class_path\n"
+                      "    from lightning_hybrid.glue.checkpoint_records import module_class_path\n"
                       "    print(module_class_path(Net))\n")
     done = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
@@ -182,8 +182,8 @@ _MEASURE = """
 import ctypes, gc, json, sys
 from pathlib import Path
 from lightning_hybrid.checkpoint.hf_export import export_hugging_face
-from lightning_hybrid.checkpoint.resume import module_class_path
-from lightning_hybrid.plan.model import import_class, instantiate_on_meta
+from lightning_hybrid.glue.checkpoint_records import module_class_path
+from lightning_hybrid.checkpoint.module_class import import_class, instantiate_on_meta
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 growths = []

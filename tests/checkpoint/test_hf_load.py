@@ -122,7 +122,7 @@ def _load_tensor_parallel(rank: int, results: dict, folder: str) -> None:
 
     from lightning_hybrid.probe.blocks import find_block_list
     from lightning_hybrid.probe.record import record_step
-    from lightning_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_hybrid.tensor_parallel.apply import apply_tensor_parallel
 
     hf_load.READ_BLOCK_BYTES = 512
     holder = _Holder(build_module("hf_phi3", seed=1).model)

@@ -22,7 +22,8 @@ from lightning_hybrid import HybridStrategy
 from lightning_hybrid.observe import monitor
 from lightning_hybrid.observe.profiling import without_kineto_markers
 from lightning_hybrid.observe.progress import ProgressFigures, rate_over, shows_own_loss
-from lightning_hybrid.observe.summary import HybridModelSummary, HybridRichModelSummary, WholeModelSummary
+from lightning_hybrid.glue.model_summary import HybridModelSummary, HybridRichModelSummary
+from lightning_hybrid.observe.parameter_counts import WholeModelSummary
 from tests.models import LMLightningModule, RandomTokenDataset, build_module, default_config
 from tests.observe.drawn_bar import RecordingTQDMProgressBar
 

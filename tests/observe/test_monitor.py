@@ -182,7 +182,7 @@ def test_timeline_images_and_chrome_traces_every_4_batches(logged_3d) -> None:
 def test_mfu_divides_by_the_dense_peak_of_the_gpu(name: str, precision: str, expected: float, monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from lightning_hybrid.plan.probe import device_peak_flops
+    from lightning_hybrid.planner.hardware_probe import device_peak_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=80 * 2**30))

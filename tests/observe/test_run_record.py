@@ -55,7 +55,7 @@ def test_a_fixed_layout_logs_its_layout_prediction_and_trace(tmp_path: Path) -> 
     environment = dict(os.environ)
     try:
         trainer.fit(build_module("gpt"), DataLoader(data, batch_size=4))
-    finally:  # as tests/plan/test_auto_layout.py: no process group or launch variables left behind
+    finally:  # as tests/planner/test_auto_layout.py: no process group or launch variables left behind
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ.clear()

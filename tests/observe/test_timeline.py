@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_hybrid.pipeline.schedules import PipelineSchedule
-from lightning_hybrid.pipeline.timing import ActionSpan, StepTimeline
+from lightning_hybrid.options.schedules import PipelineSchedule
+from lightning_hybrid.pipeline.step_recorder import ActionSpan, StepTimeline
 from lightning_hybrid.observe.timeline import (
     KIND_COLOURS,
     aligned_actions,

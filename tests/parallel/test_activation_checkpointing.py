@@ -12,7 +12,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hybrid import HybridStrategy
-from lightning_hybrid.parallel.activation_checkpointing import CheckpointPlan, apply_activation_checkpointing
+from lightning_hybrid.options.recompute import CheckpointPlan
+from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing
 from tests.conftest import META_INIT_LAYERS, ReferenceFn
 from tests.equivalence import ACCUMULATE_GRAD_BATCHES
 from tests.helpers import SHORT_STEPS

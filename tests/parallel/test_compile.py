@@ -12,7 +12,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_hybrid import HybridStrategy
-from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.parallel.compile import compile_blocks
 from lightning_hybrid.parallel.parallelize import check_compile_layout, find_blocks
 from tests.conftest import ReferenceFn

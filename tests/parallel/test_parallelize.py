@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.mesh import ParallelDims
-from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.probe.blocks import BlockList
 from lightning_hybrid.parallel.parallelize import parallelize
 from lightning_hybrid.probe.step_probe import StepProbe

@@ -7,7 +7,7 @@ time that traced FLOPs (matrix products only) count as zero. Each ``--splits`` e
 processes: ``reference`` (plain single-device Lightning), ``measured`` (``HybridStrategy(pp=N,
 pp_split="measured")``) or ``flops`` (the default FLOP-balanced split). Rank 0 saves ``{entry: {"losses", "params",
 "blocks_per_stage" (per rank), "measured" (the measured split's figures), "timelines" (per step, every rank's
-:class:`~lightning_hybrid.pipeline.timing.StepTimeline` summary, with ``--timeline``)}}`` to ``--out``.
+:class:`~lightning_hybrid.pipeline.step_recorder.StepTimeline` summary, with ``--timeline``)}}`` to ``--out``.
 
 Usage::
 

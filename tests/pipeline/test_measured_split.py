@@ -3,7 +3,6 @@ trace, the split and predictions computed from given times, bad input, and a pp=
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +12,16 @@ from torch import Tensor, nn
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.probe.blocks import find_block_list
-from lightning_hybrid.pipeline.measured import (
+from lightning_hybrid.pipeline.timed_split import (
     META_DEVICE,
+    _StepClock,
     StepTimes,
     imbalance,
     measure_step,
     predicted_bubble,
     split_by_time,
 )
-from lightning_hybrid.pipeline.schedules import PipelineSchedule
+from lightning_hybrid.options.schedules import PipelineSchedule
 from tests.helpers import REPO_ROOT, relative_difference, run_rank_script
 
 SCRIPT = REPO_ROOT / "tests" / "pipeline" / "measured_split.py"
@@ -79,19 +79,34 @@ def test_split_option_is_checked_at_construction() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Timing one step (in process, no process group)
 # ----------------------------------------------------------------------------------------------------------------
+class _Clock:
+    """The step clock's time, advanced only by the blocks: what each takes is exact whatever else the machine does
+    (wall-clock sleeps had come out up to 80 ms long on a machine running a test suite beside them)."""
+
+    seconds = 0.0
+
+    @classmethod
+    def advance(cls, seconds: float) -> None:
+        cls.seconds += seconds
+
+
+@pytest.fixture(autouse=True)
+def block_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_StepClock, "now", lambda self: _Clock.seconds)
+
+
 class _Sleep(torch.autograd.Function):
-    """Identity whose forward and backward take fixed wall times (without using a core, so timing is robust to a
-    busy machine: others' work can only add)."""
+    """Identity whose forward and backward take fixed times on the step clock (:class:`_Clock`)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, forward_s: float, backward_s: float) -> Tensor:
         ctx.backward_s = backward_s
-        time.sleep(forward_s)
+        _Clock.advance(forward_s)
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
-        time.sleep(ctx.backward_s)
+        _Clock.advance(ctx.backward_s)
         return grad, None, None
 
 
@@ -129,8 +144,7 @@ def test_measured_times_put_each_forward_and_backward_where_it_ran() -> None:
     rng, running_mean = torch.get_rng_state(), model.norm.running_mean.clone()
     times = measure_step(model, blocks, lambda: model(inputs), torch.device("cpu"), repeats=3)
     expected = [forward + backward for forward, backward in blocks_s]
-    slack = 15 * MS  # hooks, tiny kernels and a busy machine only add (a full suite beside it: 8 ms seen); the
-    # smallest misplacement the bound must catch is a whole 20 ms block counted twice or in the wrong place
+    slack = 15 * MS  # the smallest misplacement the bound must catch: a whole 20 ms block counted twice or elsewhere
     for measured, wanted in zip(times.blocks, expected):
         assert wanted <= measured < wanted + slack
     assert 12 * MS <= times.before < 12 * MS + slack  # the embedding's 4 + 8 ms

@@ -16,8 +16,8 @@ import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from lightning_hybrid import HybridStrategy
-from lightning_hybrid.options import HybridOptions
-from lightning_hybrid.pipeline.schedules import SCHEDULES, PipelineSchedule
+from lightning_hybrid.options.hybrid_options import HybridOptions
+from lightning_hybrid.options.schedules import SCHEDULES, PipelineSchedule
 from lightning_hybrid.pipeline.semantics import check_batch, combine_logs
 from tests.conftest import CHECKPOINTED_LAYERS, ReferenceFn
 from tests.equivalence import GRADIENT_CLIP_VAL

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.data import DataLoader
 
-from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.resilience import replicas
 from lightning_hybrid.resilience.replicas import (
     Divergence, ReplicaCheck, ReplicaDivergence, divergences, fingerprint, replicated_dims, report, spanned_dims,

@@ -8,7 +8,6 @@ import itertools
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning_hybrid.checkpoint.export import load_module_state
-from lightning_hybrid.options import HybridOptions
+from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.resilience.watchdog import (
     EXIT_CODE,
     FIRST_BATCH_ALLOWANCE,

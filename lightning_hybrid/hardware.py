@@ -1,0 +1,139 @@
+"""The hardware the planner plans for: :class:`Cluster` (GPUs, memory, peak FLOP/s, links, per-message latency) and
+published GPU numbers (:data:`GPU_PRESETS`). Plain Python: ``lightning-hybrid plan --help`` reads the preset names
+without importing torch. Measuring the hardware a job runs on is :mod:`lightning_hybrid.planner.hardware_probe`.
+
+Example::
+
+    Cluster.preset("h100-sxm", nodes=4)                   # 4 × 8 GPUs, datasheet numbers
+    Cluster(nodes=1, gpus_per_node=2, memory_bytes=8 * GIB, peak_flops=1e11, intra_node_bandwidth=1e9,
+            inter_node_bandwidth=1e9, overlap_communication=False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+from lightning_hybrid.checks import check_positive_values
+
+GIB = 2**30
+
+
+class GpuSpec(NamedTuple):
+    """One GPU's public numbers: memory, dense peak TFLOP/s (16-bit tensor cores; fp32 without TF32, which torch
+    leaves off for fp32 matmuls by default), NVLink/PCIe GB/s per direction, the inter-node GB/s per GPU of
+    a typical system (assumed: one NIC per GPU, as in NVIDIA's DGX), memory bandwidth (GB/s) and the host link
+    (PCIe GB/s per direction)."""
+
+    memory_gib: float
+    bf16_tflops: float
+    fp32_tflops: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    memory_gbps: float
+    host_gbps: float
+
+
+GPU_PRESETS: dict[str, GpuSpec] = {
+    # A100 SXM datasheet: 312 TFLOPS BF16 dense, 19.5 FP32, NVLink 3 600 GB/s (300 per direction), HBM2 1,555
+    # GB/s (40 GB) / HBM2e 2,039 GB/s (80 GB), PCIe Gen4 64 GB/s (32 per direction); DGX A100: one 200 Gb/s HDR
+    # InfiniBand port per GPU = 25 GB/s.
+    "a100-40gb": GpuSpec(40, 312, 19.5, 300, 25, 1555, 32),
+    "a100-80gb": GpuSpec(80, 312, 19.5, 300, 25, 2039, 32),
+    # H100 SXM datasheet: 989 TFLOPS BF16 dense (1979 with sparsity), 67 FP32, NVLink 4 900 GB/s, HBM3 3.35 TB/s,
+    # PCIe Gen5 128 GB/s; DGX H100: one 400 Gb/s NDR port per GPU = 50 GB/s.
+    "h100-sxm": GpuSpec(80, 989, 67, 450, 50, 3350, 64),
+    # H200 SXM: H100's compute and NVLink, 141 GB HBM3e at 4.8 TB/s (the driver reports about 140 GiB).
+    "h200": GpuSpec(140, 989, 67, 450, 50, 4800, 64),
+    # L4 datasheet: 121 TFLOPS BF16 dense (242 with sparsity), 30.3 FP32, 24 GB GDDR6 at 300 GB/s, no NVLink: PCIe
+    # Gen4 x16 32 GB/s per direction; network assumed 100 Gb/s per GPU.
+    "l4": GpuSpec(24, 121, 30.3, 32, 12.5, 300, 32),
+}
+
+#: The share of the dense peak the presets' matrix multiplications reach. With the memory-bound kernels charged
+#: apart (``memory_bandwidth``), this is the matmuls' own efficiency, one value for every GPU: on A100s it puts the
+#: planner within −9 % … +12 % of all ten rows of Narayanan et al. 2021's Table 1 (0.68 would centre them) and
+#: within −8 % … +9 % of torchtitan's FSDP2 runs (BENCHMARKS.md, "Planner: predicted vs measured"); on other GPUs
+#: it is not checked against a published run (torchtitan's power-limited H100s ran at a much lower share).
+PRESET_MATMUL_EFFICIENCY = 0.7
+#: CPU memory bandwidth per GPU for an offloaded optimizer step (assumed: a DGX A100's two 8-channel DDR4-3200
+#: sockets, 410 GB/s, shared by 8 GPUs is 51 GB/s each; half of that for torch's CPU AdamW).
+HOST_MEMORY_BANDWIDTH = 25e9
+
+
+#: α of the GPU presets: NCCL's time for a tiny collective is tens of microseconds (assumed, one value for NVLink and
+#: the network; small next to the bandwidth term except for many small messages: deep tensor parallelism or many
+#: pipeline microbatches).
+NCCL_LATENCY = 20e-6
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs, memory per GPU (bytes), peak FLOP/s per GPU in the training dtype, link bandwidths (bytes/s per GPU
+    and direction). ``efficiency``: the share of peak that compute reaches: with ``memory_bandwidth`` given, that of
+    the matrix multiplications alone (the presets' :data:`PRESET_MATMUL_EFFICIENCY`), the memory-bound kernels
+    (norms, activations, residual adds, softmax, the optimizer) then cost their bytes ÷ ``memory_bandwidth``;
+    without it, of all compute (0.5: well-tuned dense transformer training reports 40-60% MFU).
+    ``host_bandwidth`` (bytes/s per GPU and direction, PCIe) and ``host_memory_bandwidth`` (the CPU memory's
+    bytes/s per GPU) time CPU offload. ``usable_memory_fraction``: room for the CUDA context, NCCL buffers and
+    allocator fragmentation. ``latency``: seconds every collective call or point-to-point message costs whatever
+    its size (α of the α–β model: a message of n bytes takes α + n / bandwidth). ``overlap_communication``:
+    whether data-parallel traffic can hide behind compute (GPUs: NCCL on its own stream); ``False`` where the
+    collectives need the compute's own cores (CPUs with gloo)."""
+
+    nodes: int
+    gpus_per_node: int
+    memory_bytes: float
+    peak_flops: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    efficiency: float = 0.5
+    usable_memory_fraction: float = 0.9
+    latency: float = 0.0
+    overlap_communication: bool = True
+    memory_bandwidth: Optional[float] = None
+    host_bandwidth: Optional[float] = None
+    host_memory_bandwidth: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        check_positive_values("Cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+        check_positive_values("Cluster", integer=False, memory_bytes=self.memory_bytes, peak_flops=self.peak_flops,
+                        intra_node_bandwidth=self.intra_node_bandwidth, inter_node_bandwidth=self.inter_node_bandwidth,
+                        efficiency=self.efficiency, usable_memory_fraction=self.usable_memory_fraction)
+        for name in ("efficiency", "usable_memory_fraction"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"Cluster({name}={getattr(self, name)!r}) is invalid: a fraction, at most 1.")
+        given = {name: getattr(self, name) for name in ("memory_bandwidth", "host_bandwidth", "host_memory_bandwidth")}
+        check_positive_values("Cluster", integer=False, **{k: v for k, v in given.items() if v is not None})
+        if not self.latency >= 0:
+            raise ValueError(f"Cluster(latency={self.latency!r}) is invalid: seconds per message, at least 0.")
+
+    @classmethod
+    def preset(cls, gpu: str, nodes: int = 1, gpus_per_node: int = 8, precision: str = "bf16-mixed",
+               **overrides: Any) -> "Cluster":
+        """Nodes of :data:`GPU_PRESETS` GPUs; ``precision`` picks the peak (fp32 for ``32-true``); ``overrides``
+        replace any field."""
+        spec = GPU_PRESETS.get(gpu.lower())
+        if spec is None:
+            raise ValueError(f"Unknown GPU preset {gpu!r}. Choose one of: {', '.join(GPU_PRESETS)}.")
+        tflops = spec.fp32_tflops if precision == "32-true" else spec.bf16_tflops
+        fields = dict(nodes=nodes, gpus_per_node=gpus_per_node, memory_bytes=spec.memory_gib * GIB,
+                      peak_flops=tflops * 1e12, intra_node_bandwidth=spec.intra_node_gbps * 1e9,
+                      inter_node_bandwidth=spec.inter_node_gbps * 1e9, latency=NCCL_LATENCY,
+                      efficiency=PRESET_MATMUL_EFFICIENCY, memory_bandwidth=spec.memory_gbps * 1e9,
+                      host_bandwidth=spec.host_gbps * 1e9, host_memory_bandwidth=HOST_MEMORY_BANDWIDTH)
+        return cls(**{**fields, **overrides})
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    def link_bandwidth(self, size: int, stride: int) -> float:
+        """Bandwidth of the mesh groups of ``size`` ranks ``stride`` apart. They tile aligned blocks of
+        size·stride consecutive ranks, so all of them lie within nodes iff such a block divides a node."""
+        intra = self.nodes == 1 or size == 1 or self.gpus_per_node % (size * stride) == 0
+        return self.intra_node_bandwidth if intra else self.inter_node_bandwidth

@@ -1,0 +1,166 @@
+"""A transformer's sizes for the planner: :class:`ModelShape`, given by dimensions, by a parameter count, or measured
+from a built module (on any device, the meta device included).
+
+Example::
+
+    ModelShape(layers=32, hidden=4096, heads=32, ffn_hidden=11008, gated_mlp=True, vocab=32000, seq_len=4096)
+    ModelShape.from_parameter_count(7e9, seq_len=4096)                # a GPT-3-shaped model of about 7B
+    ModelShape.from_module("recipes.gpt:GPTModule", {}, seq_len=128, heads=4)   # exact counts, on the meta device
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from torch import nn
+
+from lightning_hybrid.checks import check_positive_values
+from lightning_hybrid.checkpoint.module_class import instantiate_on_meta
+from lightning_hybrid.probe.blocks import find_block_list
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's sizes. Parameter counts left ``None`` follow from the dimensions: per block
+    q and o h² each, k and v h·kv_heads·(h/heads) each, MLP (3 if gated else 2)·h·ffn_hidden, two norm weights
+    of h (whole over tp), no biases; token embedding V·h (first stage); final norm h and head V·h unless tied
+    (last stage). :meth:`from_module` gives exact counts instead."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    kv_heads: Optional[int] = None  # default: heads
+    ffn_hidden: Optional[int] = None  # default: 4·hidden
+    gated_mlp: bool = False
+    tied_embeddings: bool = False
+    dropout: bool = False  # dropout masks are saved for backward
+    flash_attention: bool = True  # False: attention scores are materialized, a·s² per sequence
+    # the blocks' element-wise chains run as fused kernels (Megatron's bias-GeLU, bias-dropout-add and
+    # scale-mask-softmax); False: one kernel per operation, as eager PyTorch runs them (compile=True fuses them)
+    fused_elementwise: bool = False
+    parameters_per_block: Optional[int] = None
+    whole_parameters_per_block: Optional[int] = None  # left whole by tensor parallelism
+    first_stage_parameters: Optional[int] = None  # embeddings
+    last_stage_parameters: Optional[int] = None  # final norm and head
+
+    def __post_init__(self) -> None:
+        check_positive_values("ModelShape", layers=self.layers, hidden=self.hidden, heads=self.heads,
+                        vocab=self.vocab, seq_len=self.seq_len)
+        self._default("kv_heads", self.heads)
+        self._default("ffn_hidden", 4 * self.hidden)
+        check_positive_values("ModelShape", kv_heads=self.kv_heads, ffn_hidden=self.ffn_hidden)
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"ModelShape: hidden ({self.hidden}) must be divisible by heads ({self.heads}) and heads"
+                             f" by kv_heads ({self.kv_heads}).")
+        h, kv_width = self.hidden, self.kv_heads * (self.hidden // self.heads)
+        self._default("whole_parameters_per_block", 2 * h)
+        matrices = 2 * h * h + 2 * h * kv_width + (3 if self.gated_mlp else 2) * h * self.ffn_hidden
+        self._default("parameters_per_block", matrices + self.whole_parameters_per_block)
+        self._default("first_stage_parameters", self.vocab * h)
+        self._default("last_stage_parameters", h + (0 if self.tied_embeddings else self.vocab * h))
+
+    def _default(self, name: str, value: int) -> None:
+        if getattr(self, name) is None:
+            object.__setattr__(self, name, value)  # frozen: defaults are filled in once, here
+
+    @property
+    def outside_block_parameters(self) -> int:
+        return self.first_stage_parameters + self.last_stage_parameters
+
+    @property
+    def total_parameters(self) -> int:
+        return self.layers * self.parameters_per_block + self.outside_block_parameters
+
+    @classmethod
+    def from_parameter_count(cls, parameters: float, seq_len: int, vocab: int = 32000) -> "ModelShape":
+        """A GPT-3-shaped model of about ``parameters``: hidden ≈ 128 × layers (GPT-3's table: 4096/32 at 6.7B,
+        12288/96 at 175B) rounded to a multiple of 1024, head size 128 (heads = hidden/128, a multiple of 8, so
+        any tp ≤ 8 divides it), ffn 4·hidden, untied embeddings; of the depths that are multiples of 4, the one
+        whose total is closest to ``parameters``."""
+        check_positive_values("ModelShape.from_parameter_count", integer=False, parameters=parameters)
+        check_positive_values("ModelShape.from_parameter_count", seq_len=seq_len, vocab=vocab)
+        shapes = []
+        for layers in range(4, 1025, 4):
+            hidden = max(1024, int(128 * layers / 1024 + 0.5) * 1024)  # half up
+            shapes.append(cls(layers=layers, hidden=hidden, heads=hidden // 128, vocab=vocab, seq_len=seq_len))
+        return min(shapes, key=lambda shape: abs(shape.total_parameters - parameters))
+
+    @classmethod
+    def from_module(cls, target: str, kwargs: Optional[Mapping[str, Any]] = None, *, seq_len: Optional[int] = None,
+                    heads: Optional[int] = None, kv_heads: Optional[int] = None) -> "ModelShape":
+        """Measure ``"package.module:ClassName"`` built from ``kwargs`` on the meta device (``configure_model()``
+        too). Exact counts: total, per block (blocks from :func:`find_block_list`; the largest block if they
+        differ; its 1-D parameters count as whole over tp), embeddings (``nn.Embedding`` outside the blocks:
+        first stage) and the rest (last stage). Read from the structure: hidden (first ``nn.Linear`` of a block,
+        else the embedding width), vocabulary (widest embedding or linear outside the blocks), ``ffn_hidden`` and
+        gating (the block's linears into and out of the MLP), ``kv_heads`` (k/v projections narrower than hidden),
+        tied weights. Heads and sequence length are not in the parameters: pass them."""
+        missing = [f"{name}= (CLI {flag})" for name, flag, value in (("seq_len", "--seq-len", seq_len),
+                                                                      ("heads", "--heads", heads)) if value is None]
+        if missing:
+            raise ValueError(f"ModelShape.from_module({target!r}) cannot read {' and '.join(missing)} from the"
+                             " module's parameters: pass them.")
+        return cls.measure(instantiate_on_meta(target, kwargs or {}), seq_len=seq_len, heads=heads,
+                           kv_heads=kv_heads)
+
+    @classmethod
+    def measure(cls, module: nn.Module, *, seq_len: int, heads: int, kv_heads: Optional[int] = None,
+                flash_attention: bool = True, blocks: Optional[str] = None) -> "ModelShape":
+        """The shape of a built module (on any device, meta included), as :meth:`from_module` describes;
+        ``blocks`` names the block list when :func:`find_block_list` should not search for it."""
+        _, block_list = find_block_list(module, blocks)
+        in_blocks = {id(p) for p in block_list.parameters()}
+        outside = [m for m in module.modules() if not any(id(p) in in_blocks for p in m.parameters(recurse=False))]
+        embeddings = [m for m in outside if isinstance(m, nn.Embedding)]
+        embedding_parameters = sum(m.weight.numel() for m in embeddings)
+        outside_parameters = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
+        hidden = _hidden_size(block_list[0], embeddings)
+        ffn_hidden, gated = _mlp_shape(block_list[0], hidden)
+        widths = [m.num_embeddings for m in embeddings] + [m.out_features for m in outside if isinstance(m, nn.Linear)]
+        if not widths:
+            raise ValueError(f"{type(module).__name__}: no nn.Embedding or nn.Linear outside the blocks to read the"
+                             " vocabulary from.")
+        return cls(
+            layers=len(block_list), hidden=hidden, heads=heads, vocab=max(widths), seq_len=seq_len,
+            kv_heads=kv_heads or _kv_heads(block_list[0], hidden, heads), ffn_hidden=ffn_hidden, gated_mlp=gated,
+            flash_attention=flash_attention,
+            tied_embeddings=len(list(module.named_parameters(remove_duplicate=False))) > len(list(module.parameters())),
+            parameters_per_block=max(sum(p.numel() for p in block.parameters()) for block in block_list),
+            whole_parameters_per_block=sum(p.numel() for p in block_list[0].parameters() if p.dim() < 2),
+            first_stage_parameters=embedding_parameters,
+            last_stage_parameters=outside_parameters - embedding_parameters)
+
+
+def _linears(block: nn.Module) -> list[nn.Linear]:
+    return [m for m in block.modules() if isinstance(m, nn.Linear)]
+
+
+def _hidden_size(block: nn.Module, embeddings: list[nn.Embedding]) -> int:
+    linears = _linears(block)
+    if linears:
+        return linears[0].in_features
+    if embeddings:
+        return embeddings[0].embedding_dim
+    raise ValueError("Cannot read the hidden size: the blocks hold no nn.Linear and the model no nn.Embedding.")
+
+
+def _mlp_shape(block: nn.Module, hidden: int) -> tuple[int, bool]:
+    """(ffn_hidden, gated) from the down projection (wider → hidden) and the projections feeding it (one of ffn
+    width: plain; two, or one fused of 2·ffn: gated); (4·hidden, False) if there is none (e.g. Conv1D layers)."""
+    linears = _linears(block)
+    down = [m.in_features for m in linears if m.out_features == hidden and m.in_features > hidden]
+    if not down:
+        return 4 * hidden, False
+    ffn = down[0]
+    up_width = sum(m.out_features for m in linears if m.in_features == hidden and m.out_features in (ffn, 2 * ffn))
+    return ffn, up_width == 2 * ffn
+
+
+def _kv_heads(block: nn.Module, hidden: int, heads: int) -> int:
+    head_dim = hidden // heads
+    narrow = [m.out_features // head_dim for m in _linears(block)
+              if m.in_features == hidden and m.out_features < hidden and m.out_features % head_dim == 0]
+    return min(narrow) if narrow and heads % min(narrow) == 0 else heads

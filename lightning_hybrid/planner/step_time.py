@@ -1,0 +1,141 @@
+"""Seconds per optimizer step of one pipeline rank of a layout (:func:`rank_times`).
+
+Compute: matmul FLOPs per token forward 2·(L·P_block + V·h) + 4·L·s·h (embedding lookups are free), ×3 with
+backward; a checkpointed block's forward runs again (selective checkpointing repeats no matmul); a rank runs its
+blocks ÷ t plus, last stage, the head (÷ t when sharded over the vocabulary; never recomputed: HybridStrategy
+checkpoints blocks); ÷ (peak × efficiency). Where the cluster gives ``memory_bandwidth``, the memory-bound kernels
+(:mod:`~lightning_hybrid.planner.traffic`) add their bytes ÷ that bandwidth.
+
+TP: 4 all-reduces of b·s·h per block and microbatch (6 when the block recomputes in full; selective keeps the
+collectives' outputs), ring 2·(t−1)/t × bytes; a vocabulary-sharded embedding adds one (its output), the head one
+(its input gradient) and an all-gather of the logits b·s·V, (t−1)/t × bytes (with ``loss_parallel`` instead two
+all-reduces of one fp32 value per token). PP: an activation and a gradient of b·s·h per microbatch and chunk.
+HybridStrategy's stages send the whole tensor from every tp rank to its peer (Megatron's scatter/gather sends 1/t
+over the network and all-gathers it over NVLink: t times fewer network bytes). FSDP: all-gathers of the stage's
+tp-local parameters, compute dtype (ZeRO-3: forward and backward of every microbatch, 2·m, an upper bound;
+ZeRO-2: one per pipeline step with p > 1, where the pipeline keeps the stage gathered, but one per accumulation
+step, m, with p = 1, where FSDP2 reshards after each backward) and reduce-scatters, reduce dtype, (d−1)/d × bytes
+each (one per pipeline step with p > 1, m with p = 1); HSDP adds as many all-reduces of the shards over R; a tied
+table split across stages adds an all-reduce of its gradient between the two stages holding it, per pipeline step.
+``offload=True`` adds the host copies (each gather's shard in, each reduced gradient shard out, over
+``host_bandwidth``) and runs AdamW on the CPU (``host_memory_bandwidth``). Links: mesh pp × dp_replicate ×
+dp_shard × tp (tp innermost); a dimension uses NVLink iff each of its groups lies in one node. Every message also
+costs the cluster's ``latency`` α: TP one all-reduce per block, pass and microbatch, PP two messages per
+chunk-microbatch, FSDP one collective per unit (each block and the root) and pass. Overlap: TP and PP messages are
+exposed; FSDP/HSDP traffic hides behind compute and only the excess shows, but with pp > 1 the
+reduce-scatter/all-reduce follow the last backward (exposed); with ``overlap_communication=False`` (CPUs) all of it
+shows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from lightning_hybrid.planner.step import PipelineRank, StepShape
+from lightning_hybrid.planner.traffic import (BACKWARD_PER_FORWARD, accumulation_bytes, block_elementwise_bytes,
+                                           loss_bytes_per_token, optimizer_bytes)
+
+
+class RankTimes(NamedTuple):
+    compute: float  # matmuls and memory-bound kernels
+    memory_bound: float  # the memory-bound part of compute
+    tensor: float
+    pipe: float
+    data: float  # all data-parallel traffic
+    exposed: float  # the part of it that shows
+    optimizer: float
+
+
+def ring(bytes_moved: float, size: int, bandwidth: float, all_reduce: bool = False) -> float:
+    """Seconds of a ring all-gather or reduce-scatter ((n−1)/n × bytes) or all-reduce (twice that)."""
+    return (2 if all_reduce else 1) * (size - 1) / size * bytes_moved / bandwidth if size > 1 else 0.0
+
+
+def _compute(step: StepShape, rank: PipelineRank) -> tuple[float, float]:
+    """(matmul + memory-bound seconds, memory-bound seconds)."""
+    model, cluster, t = step.model, step.cluster, step.layout.tp
+    vocab_local = model.vocab / step.vocab_shards
+    block_flops = 2 * model.parameters_per_block + 4 * model.seq_len * model.hidden  # forward, per token
+    passes = 3 * rank.blocks + rank.recomputed_blocks
+    flops = step.tokens * (passes * block_flops / t + rank.last * 3 * 2 * vocab_local * model.hidden)
+    matmuls = flops / (cluster.peak_flops * cluster.efficiency)
+    if cluster.memory_bandwidth is None:
+        return matmuls, 0.0
+    repeats = (1 + BACKWARD_PER_FORWARD) * rank.blocks + rank.recomputed_blocks + rank.selective_blocks
+    per_token = repeats * block_elementwise_bytes(model, t, step.bytes.compute, step.fused)
+    per_token += rank.last * loss_bytes_per_token(vocab_local, step.bytes.compute)
+    moved = step.tokens * per_token
+    if step.schedule is not None:
+        moved += step.all_microbatches * accumulation_bytes(rank.local_parameters(step), step.bytes)
+    memory_bound = moved / cluster.memory_bandwidth
+    return matmuls + memory_bound, memory_bound
+
+
+def _tensor_parallel(step: StepShape, rank: PipelineRank, activation_bytes: float) -> float:
+    model, cluster, t = step.model, step.cluster, step.layout.tp
+    if t == 1:
+        return 0.0
+    link, alpha, microbatches = cluster.link_bandwidth(t, 1), cluster.latency, step.all_microbatches
+    all_reduces = 4 * rank.blocks + 2 * rank.recomputed_blocks  # 2 forward (+2 recomputed), 2 backward
+    seconds = all_reduces * (ring(activation_bytes, t, link, True) + microbatches * alpha)
+    if step.vocab_shards > 1:  # the embedding's output and the head's input gradient all-reduced
+        seconds += (rank.first + rank.last) * (ring(activation_bytes, t, link, True) + microbatches * alpha)
+        if step.layout.loss_parallel:  # the loss's maximum and sum per token over the vocabulary shards
+            seconds += rank.last * 2 * (ring(step.tokens * 4, t, link, True) + microbatches * alpha)
+        else:  # the logits all-gathered
+            logits = step.tokens * model.vocab * step.bytes.compute
+            seconds += rank.last * (ring(logits, t, link) + microbatches * alpha)
+    return seconds
+
+
+def _pipeline(step: StepShape, activation_bytes: float) -> float:
+    layout, cluster = step.layout, step.cluster
+    if layout.pp == 1:
+        return 0.0
+    link = cluster.link_bandwidth(layout.pp, layout.dp_replicate * layout.dp * layout.tp)
+    chunk_microbatches = step.all_microbatches * step.virtual_stages
+    return 2 * step.virtual_stages * activation_bytes / link + 2 * chunk_microbatches * cluster.latency
+
+
+def _data_parallel(step: StepShape, rank: PipelineRank, compute: float) -> tuple[float, float]:
+    """(all data-parallel traffic, the exposed part) in seconds."""
+    cluster, layout, sizes = step.cluster, step.layout, step.bytes
+    d, r, t, p = layout.dp, layout.dp_replicate, layout.tp, layout.pp
+    local, dp_link, alpha = rank.local_parameters(step), cluster.link_bandwidth(d, t), cluster.latency
+    syncs = step.microbatches if p == 1 else step.pipeline_steps  # FSDP2 per accumulation step; pipeline per step
+    gather_passes = 2 * step.all_microbatches if layout.zero == 3 else syncs
+    units = rank.blocks + 1  # FSDP2 communicates per unit: each block, and the root's own parameters
+    gathers = gather_passes * (ring(local * sizes.compute, d, dp_link) + (units * alpha if d > 1 else 0.0))
+    reductions = syncs * (ring(local * sizes.reduce, d, dp_link) + (units * alpha if d > 1 else 0.0))
+    reductions += syncs * (ring(local / d * sizes.reduce, r, cluster.link_bandwidth(r, d * t), True)
+                           + (units * alpha if r > 1 else 0.0))
+    if step.model.tied_embeddings and p > 1 and (rank.first or rank.last):  # the two copies' gradients summed
+        table = min(step.model.vocab * step.model.hidden, step.model.first_stage_parameters) / step.vocab_shards
+        table /= d if step.fsdp else 1
+        reductions += syncs * (ring(table * sizes.reduce, 2, cluster.link_bandwidth(p, r * d * t), True) + alpha)
+    if layout.offload and cluster.host_bandwidth:  # each gather's shard copied in, each reduced shard out
+        gathers += gather_passes * local / d * sizes.parameter / cluster.host_bandwidth
+        reductions += syncs * local / d * sizes.reduce / cluster.host_bandwidth
+    if not cluster.overlap_communication:
+        return gathers + reductions, gathers + reductions
+    if p > 1:
+        return gathers + reductions, max(0.0, gathers - compute) + reductions
+    return gathers + reductions, max(0.0, gathers + reductions - compute)
+
+
+def _optimizer(step: StepShape, rank: PipelineRank) -> float:
+    cluster = step.cluster
+    bandwidth = cluster.host_memory_bandwidth if step.layout.offload else cluster.memory_bandwidth
+    if bandwidth is None:
+        return 0.0
+    return optimizer_bytes(rank.local_parameters(step) / step.layout.dp, step.bytes) / bandwidth
+
+
+def rank_times(step: StepShape, rank: PipelineRank) -> RankTimes:
+    # TP and PP move b·s·h per microbatch; summed from the replica's batch directly, so layouts that differ only in
+    # m tie exactly (no rounding of m × b) and the tie-break in plan() decides.
+    activation_bytes = step.tokens * step.model.hidden * step.bytes.compute
+    compute, memory_bound = _compute(step, rank)
+    data, exposed = _data_parallel(step, rank, compute)
+    return RankTimes(compute, memory_bound, _tensor_parallel(step, rank, activation_bytes),
+                     _pipeline(step, activation_bytes), data, exposed, _optimizer(step, rank))

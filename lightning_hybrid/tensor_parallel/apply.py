@@ -1,0 +1,303 @@
+"""Tensor parallelism applied: a block's plan (:mod:`lightning_hybrid.tensor_parallel.block_plan`) settled by running the
+block unsharded and sharded, then applied to every block with DTensor's ``parallelize_module``.
+
+:func:`plan_tensor_parallel` plans on the first block's captured call and, with ``verify``, keeps for every pair
+group the first candidate sharding whose block output matches the unsharded block, then checks the whole plan; a
+plan no candidate satisfies stops setup with the layers to keep whole. :func:`apply_tensor_parallel` applies it.
+
+Example::
+
+    calls = probe.record().block_calls
+    plan = apply_tensor_parallel(module, "model.blocks", blocks, calls, mesh["tp"], tp_plan={}, verify=True)
+    plan       # {"model.blocks.*.attn.qkv": "colwise (strided x3)", "model.blocks.*.attn.proj": "rowwise", ...}
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from lightning_hybrid._compat import tree_flatten, tree_map
+from lightning_hybrid.probe.blocks import BlockList, block_structures
+from lightning_hybrid.probe.record import BlockCall, block_call
+from lightning_hybrid.tensor_parallel.dataflow import trace_block
+from lightning_hybrid.tensor_parallel.experts import shard_experts
+from lightning_hybrid.tensor_parallel.layers import select_rows, shard_column, shard_row
+from lightning_hybrid.tensor_parallel.block_plan import (
+    BlockPlan,
+    ExpertGroup,
+    Group,
+    PairGroup,
+    PlanEntry,
+    block_tp_overrides,
+    plan_block,
+    resolve_overrides,
+)
+
+log = logging.getLogger(__name__)
+
+def apply_block_plan(block: nn.Module, plan: BlockPlan, mesh: DeviceMesh) -> None:
+    """Shard ``block`` in place according to ``plan``; integer attributes are divided by the tensor size."""
+    styles: dict[str, ParallelStyle] = dict(plan.custom)
+    for group in plan.groups:
+        _apply_group(block, group, mesh, styles)
+    if styles:
+        parallelize_module(block, mesh, styles)
+
+
+def _apply_group(block: nn.Module, group: Group, mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
+    if isinstance(group, ExpertGroup):
+        shard_experts(block.get_submodule(group.name), mesh, group.layout)
+    else:
+        _apply_pairs(block, group, mesh, styles)
+    replaced: dict[int, Any] = {}
+    for path, attr in group.scaled_attributes:
+        owner = _resolve_owner(block, path, replaced)
+        setattr(owner, attr, group.per_rank(getattr(owner, attr), mesh.size()))
+
+
+def _apply_pairs(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
+    for name, shard in group.columns.items():
+        if name in styles:
+            continue  # the user's own ParallelStyle for this layer wins
+        if shard.heads:
+            spans = shard.spans(mesh.get_local_rank(), mesh.size())
+            select_rows(block.get_submodule(name), mesh, spans, transposed=name in group.transposed)
+        elif shard.split_factor > 1 or name in group.transposed:
+            shard_column(block.get_submodule(name), mesh, shard.split_factor, transposed=name in group.transposed)
+        else:
+            styles[name] = ColwiseParallel()
+    for name in group.rows:
+        if name in group.transposed and name not in styles:
+            shard_row(block.get_submodule(name), mesh, transposed=True)
+        else:
+            styles.setdefault(name, RowwiseParallel())
+
+
+def _resolve_owner(block: nn.Module, path: str, replaced: dict[int, Any]) -> Any:
+    """The object holding an attribute; config objects are copied first so other modules keep the global value."""
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        module_path, _, config_attr = path.rpartition(".")
+        module = block.get_submodule(module_path)
+        config = getattr(module, config_attr)
+        if id(config) not in replaced:
+            replaced[id(config)] = copy.copy(config)
+            setattr(module, config_attr, replaced[id(config)])
+        return replaced[id(config)]
+
+
+def style_for(entry: PlanEntry) -> ParallelStyle | None:
+    """The torch style for a plan entry outside the blocks (``None`` for ``"replicate"``)."""
+    if isinstance(entry, ParallelStyle):
+        return entry
+    return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}.get(entry)
+
+
+def apply_tensor_parallel(
+    root: nn.Module,
+    blocks_path: str,
+    blocks: BlockList,
+    block_calls: Mapping[int, BlockCall],
+    mesh: DeviceMesh,
+    *,
+    tp_plan: Mapping[str, PlanEntry],
+    verify: bool,
+    apply_to: Optional[Sequence[int]] = None,
+) -> dict[str, str]:
+    """Plan tensor parallelism once per block structure (blocks that differ — dense and mixture-of-experts
+    layers, a first block owning a shared module — get a plan each, on their first block's call in
+    ``block_calls``, the setup probe's record), check it, apply it to every block (or to the blocks ``apply_to`` indexes, this rank's
+    pipeline stages) and to ``tp_plan``'s other entries. Returns the applied plan as ``{module name pattern:
+    style}``."""
+    overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
+    outside = {name: entry for name, entry in overrides.items() if not name.startswith(blocks_path + ".")}
+    structures = block_structures(blocks)
+    described: dict[str, str] = {}
+    for indices in structures:
+        targets = [i for i in indices if apply_to is None or i in apply_to]
+        if not targets:
+            continue  # another pipeline stage's blocks
+        call = block_call(block_calls, indices[0])
+        plan = plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
+                                    indices=indices)
+        if not plan.groups and not plan.custom:
+            log.warning(f"Tensor parallelism found no layers to shard in {type(blocks[indices[0]]).__name__}.")
+        for index in targets:
+            block = blocks[index]
+            was_training = block.training
+            apply_block_plan(block, plan, mesh)
+            block.train(was_training)
+        prefixes = [f"{blocks_path}.*"] if len(structures) == 1 else [blocks.name(i) for i in indices]
+        described.update({k: v for prefix in prefixes for k, v in plan.describe(prefix).items()})
+    for name, entry in outside.items():
+        style = style_for(entry)
+        if style is not None:
+            parallelize_module(root.get_submodule(name), mesh, style)
+    return {**described, **{name: str(entry) for name, entry in outside.items()}}
+
+
+def plan_tensor_parallel(
+    root: nn.Module,
+    blocks_path: str,
+    blocks: BlockList,
+    block_call: tuple[tuple, dict],
+    mesh: DeviceMesh,
+    *,
+    tp_plan: Mapping[str, PlanEntry],
+    verify: bool,
+    indices: Optional[Sequence[int]] = None,
+) -> BlockPlan:
+    """The plan for the blocks ``indices`` names (all blocks by default; they must share one structure), from
+    the first one's data flow on ``block_call``; with ``verify``, each pair group's candidates and then the whole
+    plan are checked against the unsharded block on ``mesh`` (collective over it; raises ``RuntimeError`` naming
+    the layers to keep whole if no candidate computes the same)."""
+    indices = list(range(len(blocks))) if indices is None else list(indices)
+    in_block = block_tp_overrides(root, tp_plan, blocks_path, [blocks.keys[i] for i in indices])
+    accelerator_rng = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
+    with torch.random.fork_rng(devices=accelerator_rng):  # planning must not shift the user's random streams
+        reference = _reference_copy(blocks[indices[0]], mesh)
+        args, kwargs = _check_inputs(block_call, reference, mesh)
+        reference.eval()  # dropout would make the unsharded and sharded outputs differ
+        trace = trace_block(reference, args, kwargs)
+        custom, candidates = plan_block(reference, trace, mesh.size(), in_block)
+        where = blocks_path  # messages suggest "<blocks_path>.*.<layer>" entries
+        groups = [_settle_group(reference, options, args, kwargs, mesh, verify, where) for options in candidates]
+        plan = BlockPlan(groups=groups, custom=custom)
+        if verify:
+            _verify_whole_plan(reference, plan, args, kwargs, mesh, where)
+    return plan
+
+
+def _settle_group(
+    reference: nn.Module, options: list[Group], args: tuple, kwargs: dict, mesh: DeviceMesh, verify: bool, where: str
+) -> PairGroup:
+    """The first candidate sharding of one pair group whose block output matches the unsharded block."""
+    if not verify:
+        return options[0]
+    errors = []
+    for group in options:
+        error = _plan_error(reference, BlockPlan([group]), args, kwargs, mesh)
+        if error <= tolerance_for(_dtype_of(reference)):
+            return group
+        errors.append(error)
+    layers = options[0].layers
+    fix = ", ".join(f"'{where}.*.{name}': 'replicate'" for name in layers)
+    attributes = sorted({f"{path}.{attr}".lstrip(".") for group in options for path, attr in group.scaled_attributes})
+    raise RuntimeError(
+        f"Tensor parallel plan check failed for {type(reference).__name__} in '{where}': sharding layers"
+        f" {layers} changes the block's output (relative error {min(errors):.2e} in the best of {len(options)}"
+        f" candidate layouts; rescaled attributes tried: {attributes or 'none'}). The block's forward probably"
+        " derives a shape from something the planner did not adjust (e.g. a head size computed from the input"
+        " width) or mixes features across heads. Keep these layers whole with"
+        f" HybridStrategy(tp_plan={{{fix}}}), or give explicit styles for them."
+    )
+
+
+def _verify_whole_plan(
+    reference: nn.Module, plan: BlockPlan, args: tuple, kwargs: dict, mesh: DeviceMesh, where: str
+) -> None:
+    error = _plan_error(reference, plan, args, kwargs, mesh)
+    if error > tolerance_for(_dtype_of(reference)):
+        suspects = [*plan.custom, *(name for group in plan.groups for name in group.layers)]
+        raise RuntimeError(
+            f"Tensor parallel plan check failed for {type(reference).__name__} in '{where}': the full plan changes"
+            f" the block's output (relative error {error:.2e}) although each pair group passed alone. Suspect"
+            f" layers: {suspects}. Check the explicit tp_plan entries for them."
+        )
+
+
+def _plan_error(reference: nn.Module, plan: BlockPlan, args: tuple, kwargs: dict, mesh: DeviceMesh) -> float:
+    """The plan check's error, agreed over the tensor-parallel group so every rank takes the same decision."""
+    sharded = copy.deepcopy(reference)
+    apply_block_plan(sharded, plan, mesh)
+    try:
+        error = plan_error(reference, sharded, args, kwargs)
+    except Exception as failure:  # a wrong layout often fails loudly (shape mismatch) rather than numerically
+        log.debug(f"plan candidate raised {failure!r}")
+        error = float("inf")
+    agreed = torch.tensor(error, device=_collective_device(mesh))
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return float(agreed)
+
+
+def _collective_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reference_copy(block: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """An unsharded copy of the block holding real numbers (materialized from the meta device if needed)."""
+    reference = copy.deepcopy(block)
+    if any(p.is_meta for p in reference.parameters()):
+        reference = reference.to_empty(device=_collective_device(mesh))
+        torch.manual_seed(0)  # identical weights on every rank: the sharded copy is scattered from rank 0's
+        with torch.no_grad():  # finite numbers everywhere (to_empty leaves memory as it was: NaN, inf) ...
+            for tensor in [*reference.parameters(), *reference.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.normal_(0.0, 0.02)
+        for module in reference.modules():  # ... and each module's own scheme where it has one
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+    return reference
+
+
+def _check_inputs(block_call: tuple[tuple, dict], reference: nn.Module, mesh: DeviceMesh) -> tuple[tuple, dict]:
+    """Make the captured block inputs real, in the block's dtype, and identical on all tensor-parallel ranks."""
+    device = next(reference.parameters()).device
+    dtype = _dtype_of(reference)
+    source_rank = dist.get_global_rank(mesh.get_group(), 0)
+    torch.manual_seed(0)
+
+    def prepare(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.is_meta:
+            real = torch.randn(value.shape, device=device) if value.is_floating_point() else torch.zeros(
+                value.shape, dtype=value.dtype, device=device)
+        else:
+            real = value.to(device).clone()
+            dist.broadcast(real, src=source_rank, group=mesh.get_group())
+        return real.to(dtype) if real.is_floating_point() else real
+
+    return tree_map(prepare, block_call)
+
+
+def _dtype_of(module: nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+def plan_error(reference: nn.Module, sharded: nn.Module, args: tuple, kwargs: dict) -> float:
+    """Largest relative difference between the unsharded and sharded block outputs on this rank."""
+    def run(block: nn.Module) -> list[torch.Tensor]:
+        # Fresh copies per run: blocks may update state they are handed (e.g. a key/value cache).
+        call_args, call_kwargs = copy.deepcopy((args, kwargs))
+        with torch.no_grad():
+            return [t for t in tree_flatten(block(*call_args, **call_kwargs))[0] if isinstance(t, torch.Tensor)]
+
+    expected, actual = run(reference), run(sharded)
+    if len(expected) != len(actual):
+        return float("inf")
+    error = 0.0
+    for want, got in zip(expected, actual):
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        if want.shape != got.shape:
+            return float("inf")
+        scale = want.abs().max().clamp_min(1e-12)
+        error = max(error, float(((want - got).abs().max() / scale).nan_to_num(float("inf"))))
+    return error
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """Relative tolerance of the plan check: summation order differs between sharded and unsharded matmuls."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2

@@ -1,0 +1,347 @@
+"""Automatic tensor parallelism for unmodified blocks.
+
+Megatron-style tensor parallelism shards a *pair* of linear layers: the first column-wise (each rank computes some
+output features), the second row-wise (each rank consumes those features and the partial results are summed).
+Which layers pair up follows from data flow, so :func:`plan_block` reads it from a trace of one block
+(:mod:`lightning_hybrid.tensor_parallel.dataflow`):
+
+* a linear layer fed by the block's residual stream is a column candidate;
+* a linear layer fed only by column candidates (through attention, activations, products) is row-wise;
+* a column candidate is kept only if everything that consumes its output is row-wise.
+
+Fused projections (q|k|v in one layer) are sharded with torch's strided placement so that each rank gets whole
+heads of q, k *and* v; integer attributes the forward reads to reshape (head counts, widths) are set to their
+per-rank values. Where the trace leaves a choice open (which factor of a reshape is the head count, whether a value
+that matches a head count is one), :func:`plan_block` lists the candidates and the caller keeps the first whose
+sharded block computes what the unsharded one does (:func:`lightning_hybrid.tensor_parallel.apply.plan_tensor_parallel`,
+which also applies the plan). Nothing here touches a device mesh.
+
+Example::
+
+    custom, candidates = plan_block(block, trace_block(block, args, kwargs), tp_size=2)
+    plan = BlockPlan(groups=[options[0] for options in candidates], custom=custom)
+    print(plan.describe("model.blocks.*"))      # {"model.blocks.*.attn.qkv": "colwise (strided x3)", ...}
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Iterator, Mapping, Sequence, Union
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_hybrid.tensor_parallel.dataflow import BlockTrace, attribute_holders
+from lightning_hybrid.tensor_parallel.experts import ExpertLayout, expert_layouts, holds_expert_stack
+from lightning_hybrid.tensor_parallel.heads import ColumnShard, add_head_ratios, column_options
+
+PlanEntry = Union[str, ParallelStyle]
+_STYLE_NAMES = ("colwise", "rowwise", "replicate")
+# Trials per pair group while settling ambiguous choices (split factor, which attributes to rescale).
+_MAX_TRIALS = 32
+
+
+@dataclass
+class PairGroup:
+    """Column layers and the row layers that consume them (e.g. q, k, v → o), plus the attributes to rescale."""
+
+    columns: dict[str, ColumnShard]
+    rows: list[str]
+    owner: str
+    #: ``(object path, attribute)`` of integer attributes set to their per-rank value on each rank.
+    scaled_attributes: list[tuple[str, str]] = field(default_factory=list)
+    #: Global size → per-rank size for sizes that do not simply divide by tp (key/value groups shared by ranks).
+    sizes: dict[int, int] = field(default_factory=dict)
+    #: The group's layers whose weight is stored ``(in, out)`` (Hugging Face's ``Conv1D``; see :mod:`.tp_layers`).
+    transposed: frozenset[str] = frozenset()
+
+    @property
+    def layers(self) -> list[str]:
+        return [*self.columns, *self.rows]
+
+    def per_rank(self, value: int, tp: int) -> int:
+        """The per-rank value of a rescaled attribute holding ``value``."""
+        return self.sizes.get(value, value // tp)
+
+
+@dataclass
+class ExpertGroup:
+    """A module of stacked experts sharded along each expert's hidden width (:mod:`.tp_experts`)."""
+
+    name: str
+    layout: ExpertLayout
+    scaled_attributes: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def layers(self) -> list[str]:
+        return [self.name]
+
+    def per_rank(self, value: int, tp: int) -> int:
+        return value // tp
+
+    def describe(self) -> str:
+        dims = ", ".join(f"{name} dim {dim}" + (f" (strided x{pieces})" if pieces > 1 else "")
+                         for name, dim, pieces in self.layout)
+        return f"experts ({dims})"
+
+
+Group = Union[PairGroup, ExpertGroup]
+
+
+@dataclass
+class BlockPlan:
+    """Tensor-parallel plan of one block, in module names relative to the block."""
+
+    groups: list[Group]
+    custom: dict[str, ParallelStyle] = field(default_factory=dict)
+
+    def describe(self, prefix: str = "") -> dict[str, str]:
+        """The plan as ``{module name: style}``, the same form :class:`HybridStrategy`'s ``tp_plan`` accepts."""
+        at = (prefix + ".") if prefix else ""
+        described: dict[str, str] = {}
+        for group in self.groups:
+            if isinstance(group, ExpertGroup):
+                described[at + group.name] = group.describe()
+                continue
+            for name, shard in group.columns.items():
+                if name in self.custom:
+                    continue
+                described[at + name] = shard.describe()
+            described.update({at + name: "rowwise" for name in group.rows if name not in self.custom})
+        for group in self.groups:
+            described.update({f"{at}{obj}.{attr}" if obj else at + attr: "÷tp" for obj, attr in group.scaled_attributes})
+        described.update({at + name: type(style).__name__ for name, style in self.custom.items()})
+        return described
+
+
+# ----------------------------------------------------------------------------------------------------- planning
+def plan_block(
+    block: nn.Module,
+    trace: BlockTrace,
+    tp_size: int,
+    overrides: Mapping[str, PlanEntry] | None = None,
+) -> tuple[dict[str, ParallelStyle], list[list[Group]]]:
+    """Classify the block's linear layers; return the user's explicit styles and, per pair group (and module of
+    stacked experts), the candidate shardings to verify (most likely first).
+
+    ``overrides`` maps block-relative module names (already resolved from user patterns) to a style.
+    """
+    overrides = dict(overrides or {})
+    experts = [name for name, module in block.named_modules()
+               if name not in overrides and name not in trace.linears and holds_expert_stack(module)]
+    _reject_unplannable_modules(block, trace, {**overrides, **dict.fromkeys(experts, "experts")})
+    custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
+    roles = _classify(trace, overrides)
+    candidates: list[list[Group]] = [
+        list(_group_candidates(block, trace, columns, rows, tp_size))
+        for columns, rows in _pair_groups(trace, roles)
+    ]
+    return custom, candidates + [_expert_candidates(block, trace, name, tp_size) for name in experts]
+
+
+def _expert_candidates(block: nn.Module, trace: BlockTrace, name: str, tp: int) -> list[Group]:
+    """Layouts of a module of stacked experts, each with the attributes to try rescaling."""
+    module = block.get_submodule(name)
+    stream_widths = {use.in_features for use in trace.linears.values()
+                     if any(source.startswith("arg") for source in use.sources)}
+    layouts = expert_layouts(module, stream_widths, tp)
+    if not layouts:
+        raise ValueError(
+            f"tp={tp} does not divide the experts' hidden width in {type(module).__name__} {name!r} (parameter"
+            f" shapes {[tuple(p.shape) for p in module.parameters(recurse=False)]}). Choose a tp that divides it,"
+            f" or pass tp_plan={{'*.{name}': 'replicate'}} to keep the experts whole."
+        )
+    groups: list[Group] = []
+    for layout in layouts:
+        sizes = {module.get_parameter(param).shape[dim] // pieces for param, dim, pieces in layout}
+        likely, doubtful = _attributes_to_scale(trace, name, sizes, set(), block)
+        groups += [ExpertGroup(name, layout, list(subset)) for subset in _subsets(likely, doubtful)]
+    return groups[:_MAX_TRIALS]
+
+
+def _classify(trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> dict[str, str]:
+    """Assign ``colwise``/``rowwise``/``replicate`` to every traced linear, demoting pairs that cannot hold."""
+    stream = {source for source in trace.output_sources if source.startswith("arg")}
+    roles: dict[str, str] = {}
+    for name, use in trace.linears.items():
+        forced = overrides.get(name)
+        if forced is not None:
+            roles[name] = _role_of(forced)
+            continue
+        producers = [source for source in use.sources if source in trace.linears]
+        if use.sources & stream or not producers or any(roles[p] != "colwise" for p in producers):
+            roles[name] = "colwise"
+        else:
+            roles[name] = "rowwise"
+    changed = True
+    while changed:  # demote until every column feeds only rows and every row reads only columns
+        changed = False
+        for name, role in roles.items():
+            if name in overrides:
+                continue
+            producers = [s for s in trace.linears[name].sources if s in trace.linears]
+            ok = (
+                all(roles.get(user) == "rowwise" for user in trace.consumers(name))
+                and bool(trace.consumers(name))
+                if role == "colwise"
+                else role != "rowwise" or all(roles[p] == "colwise" for p in producers)
+            )
+            if not ok:
+                roles[name], changed = "replicate", True
+    return roles
+
+
+def _role_of(entry: PlanEntry) -> str:
+    if isinstance(entry, ColwiseParallel):
+        return "colwise"
+    if isinstance(entry, RowwiseParallel):
+        return "rowwise"
+    if isinstance(entry, ParallelStyle):
+        return "replicate"
+    return entry
+
+
+def _pair_groups(trace: BlockTrace, roles: dict[str, str]) -> Iterator[tuple[list[str], list[str]]]:
+    """Connected components of column → row edges, in execution order."""
+    seen: set[str] = set()
+    for name in trace.linears:
+        if roles[name] != "rowwise" or name in seen:
+            continue
+        rows, columns, frontier = {name}, set(), [name]
+        while frontier:
+            current = frontier.pop()
+            if roles[current] == "rowwise":
+                new = {s for s in trace.linears[current].sources if s in trace.linears} - columns
+                columns |= new
+            else:
+                new = {u for u in trace.consumers(current) if u in trace.linears} - rows
+                rows |= new
+            frontier.extend(new)
+        seen |= rows
+        order = list(trace.linears)
+        yield sorted(columns, key=order.index), sorted(rows, key=order.index)
+
+
+def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> None:
+    """Matrix-shaped parameters outside the traced linear layers cannot be sharded automatically: ask the user
+    what to do."""
+    for name, module in block.named_modules():
+        if name in trace.linears or name in trace.opaque or isinstance(module, nn.Linear) or name in overrides:
+            continue
+        own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+        if own:
+            raise ValueError(
+                f"Tensor parallel planning cannot shard {type(module).__name__} {name!r} in"
+                f" {type(block).__name__} (it has a {own[0].dim()}-D parameter and is no linear layer the planner recognizes). Add an"
+                f" entry for it to HybridStrategy(tp_plan=...), e.g. tp_plan={{'*.{name}': 'replicate'}} to keep it"
+                " whole on every tensor-parallel rank, or a torch ParallelStyle."
+            )
+
+
+def _group_candidates(
+    block: nn.Module, trace: BlockTrace, columns: list[str], rows: list[str], tp_size: int
+) -> list[PairGroup]:
+    """All plausible ways to shard one pair group, most likely first."""
+    group_heads = max((cut.factors[-2] for cut in trace.cuts if cut.linear in columns and len(cut.factors) > 1),
+                      default=0)
+    shard_options = [column_options(trace, name, tp_size, group_heads) for name in columns]
+    owner = _common_owner([*columns, *rows])
+    transposed = frozenset(name for name in [*columns, *rows] if trace.linears[name].transposed)
+    groups = []
+    for choice in itertools.product(*shard_options):
+        columns_map = {name: shard for name, (shard, _, _, _) in zip(columns, choice)}
+        sizes = {trace.linears[r].in_features: trace.linears[r].in_features // tp_size for r in rows}
+        kept: set[int] = set()
+        for _, option_sizes, option_kept, _ in choice:
+            sizes.update(option_sizes)
+            kept |= option_kept
+        add_head_ratios(sizes, kept, [heads for *_, option_heads in choice for heads in option_heads])
+        likely, doubtful = _attributes_to_scale(trace, owner, set(sizes), kept, block)
+        uneven = {value: size for value, size in sizes.items() if size != value // tp_size}
+        for subset in _subsets(likely, doubtful):
+            groups.append(PairGroup(columns_map, rows, owner, list(subset), transposed=transposed, sizes=uneven))
+    return groups[:_MAX_TRIALS]
+
+
+def _common_owner(names: list[str]) -> str:
+    parts = [name.split(".")[:-1] for name in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _attributes_to_scale(
+    trace: BlockTrace, owner: str, scaled: set[int], kept: set[int], block: nn.Module
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Integer attributes under ``owner``, read by the forward, whose value equals a size that becomes per-rank.
+
+    A value match is only a hint (a group count can equal a head count), so the caller tries subsets; attributes
+    whose value also equals a size that stays (e.g. the head size) are the doubtful ones.
+    """
+    likely, doubtful = [], []
+    for path, holder in attribute_holders(block):
+        if owner and path != owner and not path.startswith(owner + "."):
+            continue
+        for attr, value in vars(holder).items():
+            read = (path, attr) in trace.attribute_reads or path in trace.unobserved
+            if type(value) is int and read and value in scaled:
+                (doubtful if value in kept else likely).append((path, attr))
+    return likely, doubtful
+
+
+def _subsets(likely: list[tuple[str, str]], doubtful: list[tuple[str, str]]) -> Iterator[tuple[tuple[str, str], ...]]:
+    """Attribute sets to try: all likely ones first (head counts are the usual reason a value shows up in a
+    reshape), then fewer; doubtful ones are added to each likely set before it is tried without them."""
+    for size in range(len(likely), -1, -1):
+        for chosen in itertools.combinations(likely, size):
+            for extra in range(len(doubtful), -1, -1):
+                for added in itertools.combinations(doubtful, extra):
+                    yield chosen + added
+
+
+def resolve_overrides(tp_plan: Mapping[str, PlanEntry], names: list[str]) -> dict[str, PlanEntry]:
+    """Expand ``tp_plan`` patterns (``fnmatch`` syntax) into exact module names; later entries win."""
+    resolved: dict[str, PlanEntry] = {}
+    for pattern, entry in tp_plan.items():
+        if not isinstance(entry, ParallelStyle) and entry not in _STYLE_NAMES:
+            raise ValueError(
+                f"tp_plan[{pattern!r}] = {entry!r} is not a style: use one of {', '.join(_STYLE_NAMES)} or a"
+                " torch.distributed.tensor.parallel.ParallelStyle."
+            )
+        matched = [name for name in names if fnmatchcase(name, pattern)]
+        if not matched:
+            examples = ", ".join(names[:6])
+            raise ValueError(f"tp_plan entry {pattern!r} matches no module. Module names look like: {examples}, ...")
+        resolved.update(dict.fromkeys(matched, entry))
+    return resolved
+
+
+def block_tp_overrides(root: nn.Module, tp_plan: Mapping[str, PlanEntry], blocks_path: str,
+                       keys: Sequence[str]) -> dict[str, PlanEntry]:
+    """``tp_plan``'s entries for the blocks ``keys`` names (their names in their container; blocks of one
+    structure), relative to one block: the plan each of them gets."""
+    overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
+    return _per_block_overrides(overrides, blocks_path, keys)
+
+
+def _per_block_overrides(overrides: Mapping[str, PlanEntry], blocks_path: str,
+                         keys: Sequence[str]) -> dict[str, PlanEntry]:
+    """``tp_plan`` entries inside the blocks ``keys`` names, relative to one block; one plan serves them all."""
+    per_block: dict[str, dict[str, PlanEntry]] = {key: {} for key in keys}
+    for name, entry in overrides.items():
+        if name.startswith(blocks_path + "."):
+            key, _, relative = name[len(blocks_path) + 1:].partition(".")
+            if key in per_block:
+                per_block[key][relative] = entry
+    plans = list(per_block.values())
+    if any(entries != plans[0] for entries in plans):
+        raise ValueError(
+            f"tp_plan entries inside '{blocks_path}' must treat every block of one structure alike (one plan is"
+            f" applied to all of them); write them with a wildcard, e.g. '{blocks_path}.*.attn.qkv'."
+        )
+    return plans[0]
