@@ -182,6 +182,7 @@ class _Recorder:
         self.names_of = _parameter_names(root, inside)
         self.phase = BEFORE
         self.running: list[str] = []
+        self.copying = False
         self.block_calls: dict[int, BlockCall] = {}
         self.block_runs = [0] * len(blocks)
         self.block_flops = [0.0] * len(blocks)
@@ -219,7 +220,11 @@ class _Recorder:
 
     def _block_started(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if index in self.capture and index not in self.block_calls:
-            self.block_calls[index] = kept_call(args, kwargs)
+            self.copying = True  # copying a value that holds weights reads them for no step's sake
+            try:
+                self.block_calls[index] = kept_call(args, kwargs)
+            finally:
+                self.copying = False
         self.block_runs[index] += 1
         self.phase = TRUNK
         self.marks["block"] = self.counter.get_total_flops()
@@ -243,6 +248,8 @@ class _Recorder:
 
     def note_read(self, parameter: nn.Parameter) -> None:
         """A torch function used ``parameter``: the phase and the running module, under each of its names."""
+        if self.copying:
+            return
         reader = self.running[-1] if self.running else ""
         for name in self.names_of.get(id(parameter), ()):
             self.reads.setdefault(name, set()).add(self.phase)

@@ -107,6 +107,19 @@ def test_a_module_the_step_copies_copies_its_hooks_not_the_record() -> None:
     assert record.parameter_reads["norm.weight"] == {AFTER}
 
 
+def test_copying_a_block_call_that_holds_a_module_reads_none_of_its_weights() -> None:
+    # A block handed an object that holds modules (a cache with a reference to the model, say): the kept call copies
+    # it, which clones every weight it reaches; those clones are not the step reading the weights.
+    model = Tied()
+    block = model.blocks[0]
+    block.forward = lambda x, holder: Dense.forward(block, x)
+    _, blocks = find_block_list(model)
+    record = record_step(model, blocks, lambda: block(model.embed(torch.randint(0, 32, (2, 6))), holder=[model.norm]))
+    assert record.parameter_reads["norm.weight"] == set()
+    assert record.parameter_reads["embed.weight"] == {BEFORE}
+    assert record.block_calls[0][1]["holder"][0] is not model.norm  # copied as the block received it
+
+
 def test_the_outputs_of_units_are_described_for_the_stand_ins() -> None:
     from lightning_hybrid.probe.shapes import describe_call
 
