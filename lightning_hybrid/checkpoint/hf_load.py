@@ -66,6 +66,17 @@ def load_pretrained(module: nn.Module, directory: Union[str, os.PathLike]) -> No
             dcp.load(blocks, storage_reader=_reader(directory))
 
 
+def loaded_names(module: nn.Module, directory: Union[str, os.PathLike]) -> set[str]:
+    """The names (in ``module``) of the parameters and buffers :func:`load_pretrained` will overwrite from
+    ``directory``: materialization need not initialize them."""
+    prefix, tied = _pretrained_model(module)
+    stored = set(_reader(Path(directory)).read_metadata().state_dict_metadata)
+    names = [name for name, _ in [*module.named_parameters(remove_duplicate=False),
+                                  *module.named_buffers(remove_duplicate=False)] if name.startswith(prefix)]
+    return {name for name in names
+            if (short := name[len(prefix):]) in stored or tied.get(short, short) in stored}
+
+
 def _pretrained_model(module: nn.Module) -> tuple[str, dict[str, str]]:
     """The outermost ``PreTrainedModel``'s name prefix and its tied ``{target: source}`` names."""
     try:

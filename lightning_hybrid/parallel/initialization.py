@@ -57,10 +57,10 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_hybrid._compat import TorchDispatchMode, written_tensors
+from lightning_hybrid._compat import TorchDispatchMode, compute_local_shape_and_global_offset, written_tensors
 
 #: The LightningModule method :func:`init_weights` calls for every module first (see the module docstring).
 HOOK = "init_module_weights"
@@ -85,7 +85,7 @@ def module_seed(seed: int, module_name: str) -> int:
 
 
 @torch.no_grad()
-def init_weights(root: nn.Module, seed: int, known: Collection[str] = ()) -> None:
+def init_weights(root: nn.Module, seed: int, known: Collection[str] = (), skip: Collection[str] = ()) -> None:
     """Initialize every parameter and buffer under ``root`` per module (see the module docstring), except those
     named in ``known`` that no initializer writes. Works on plain tensors and on sharded DTensors (FSDP2, tensor
     parallel) alike; names are taken relative to ``root``.
@@ -94,6 +94,11 @@ def init_weights(root: nn.Module, seed: int, known: Collection[str] = ()) -> Non
         ValueError: naming each tensor (and its module's class) that nothing initializes.
     """
     steps = [step for name, module, owner in _post_order(root) if (step := _plan(root, name, module, owner, seed))]
+    if skip:  # tensors loaded afterwards: an initializer writing nothing else is not run
+        skipped = {id(t) for name, t in [*root.named_parameters(remove_duplicate=False),
+                                         *root.named_buffers(remove_duplicate=False)] if name in skip}
+        steps = [step for step in steps if not all(id(t) in skipped for t in step.writes)]
+        known = {*known, *skip}
     written = {id(t) for step in steps for t in step.writes}
     missing = [f"{_join(name, key)} ({type(module).__name__})" for name, module, _ in _post_order(root)
                for key, t in _own_tensors(module) if id(t) not in written and _join(name, key) not in known]
@@ -115,7 +120,8 @@ def init_weights(root: nn.Module, seed: int, known: Collection[str] = ()) -> Non
 
 
 def materialize_meta_module(root: nn.Module, device: Union[str, torch.device], seed: int,
-                            recorded: Optional[Mapping[str, Callable[[], Tensor]]] = None) -> bool:
+                            recorded: Optional[Mapping[str, Callable[[], Tensor]]] = None,
+                            skip: Collection[str] = ()) -> bool:
     """Allocate ``root``'s meta-device parameters and buffers (each rank's shards only) on ``device``, give those
     named in ``recorded`` (functions returning full values on the CPU, e.g. from
     :func:`~lightning_hybrid.parallel.construction.recorded_values`) their values and initialize the others with
@@ -132,7 +138,7 @@ def materialize_meta_module(root: nn.Module, device: Union[str, torch.device], s
         if name in recorded:
             with torch.no_grad():
                 _local(tensor).copy_(_keep_local_part(recorded[name]().to(_local(tensor).device, tensor.dtype), tensor))
-    init_weights(root, seed, known=recorded.keys())
+    init_weights(root, seed, known=recorded.keys(), skip=skip)
     return True
 
 
@@ -284,5 +290,8 @@ def _keep_local_part(full: Tensor, like: Tensor) -> Tensor:
     if not isinstance(like, DTensor):
         return full
     mesh = like.device_mesh
+    if all(type(p) in (Shard, Replicate) for p in like.placements):  # a box: a view of full, no clone
+        shape, offset = compute_local_shape_and_global_offset(like.shape, mesh, like.placements)
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
     replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, like.placements).to_local()

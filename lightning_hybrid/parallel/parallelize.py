@@ -37,7 +37,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid.checkpoint.hf_load import load_pretrained
+from lightning_hybrid.checkpoint.hf_load import load_pretrained, loaded_names
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims
 from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.options.recompute import CheckpointPlan
@@ -111,7 +111,8 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, data_mesh, dims, options, precision,
                                          result.pipeline)
     # 6. materialization
-    apply_materialization(module, torch.device("cpu") if options.offload else device, recorded)
+    skip = loaded_names(module, options.weights) if options.weights is not None else ()
+    apply_materialization(module, torch.device("cpu") if options.offload else device, recorded, skip)
     # 7. pretrained weights, read into the shards in place (needs the final layout: each rank reads its slices)
     if options.weights is not None:
         load_pretrained(module, options.weights)
@@ -236,7 +237,8 @@ def install_stages(pipeline: Pipeline, blocks: BlockList, fsdp_mesh: DeviceMesh,
 
 
 def apply_materialization(module: nn.Module, device: torch.device,
-                          recorded: Optional[dict[str, Callable[[], torch.Tensor]]] = None) -> None:
+                          recorded: Optional[dict[str, Callable[[], torch.Tensor]]] = None,
+                          skip: Collection[str] = ()) -> None:
     """Give a meta-device model its values, each rank only its shards (see
     :mod:`lightning_hybrid.parallel.initialization`): ``recorded`` ones from its construction
     (:mod:`lightning_hybrid.parallel.construction`), the others per module. The seed is rank 0's, so every rank
@@ -244,7 +246,7 @@ def apply_materialization(module: nn.Module, device: torch.device,
     seed = [torch.initial_seed()]
     if dist.is_initialized():
         dist.broadcast_object_list(seed, src=0)
-    if materialize_meta_module(module, device, seed[0], recorded):
+    if materialize_meta_module(module, device, seed[0], recorded, skip):
         rank_zero_info(f"HybridStrategy: initialized the meta-device model per module from seed {seed[0]}.")
 
 

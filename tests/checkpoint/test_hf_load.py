@@ -85,6 +85,14 @@ def test_loading_in_one_process_fills_tied_weights_and_leaves_unsaved_buffers(
     assert holder.model.lm_head.weight is holder.model.model.embed_tokens.weight
 
 
+def test_the_names_a_directory_fills_are_every_saved_weight_under_each_tied_name(tmp_path: Path) -> None:
+    folder = _save_pretrained("hf_qwen2", tmp_path)
+    holder = _Holder(build_module("hf_qwen2", seed=1).model)
+    names = {name for name, _ in holder.named_parameters(remove_duplicate=False)}
+    assert "model.lm_head.weight" in names  # tied to the embedding: saved once, filled under both names
+    assert hf_load.loaded_names(holder, folder) == names
+
+
 def test_a_directory_of_another_model_or_shape_is_refused_listing_the_names(tmp_path: Path) -> None:
     folder = _save_pretrained("hf_qwen2", tmp_path / "qwen2")
     with pytest.raises(ValueError, match=r"does not match the model: missing \[.*qkv_proj.weight.*unexpected \[.*"

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.parallel.initialization import init_weights, materialize_meta_module, module_seed
 from tests.conftest import META_INIT_LAYERS, ReferenceFn
-from tests.helpers import assert_equivalent
+from tests.helpers import assert_equivalent, on_two_ranks
 from tests.models import GPTConfig, LlamaConfig, RandomTokenDataset, TinyGPT, TinyLlama, build_module
 
 RTOL = 1e-5
@@ -88,6 +88,45 @@ def test_a_lightning_module_hook_initializes_what_nothing_else_does() -> None:
     # The hook writes nothing to the linears: their reset_parameters() runs, under their own seed.
     torch.manual_seed(module_seed(4, "model.output"))
     torch.testing.assert_close(root.model.output.weight, nn.Linear(32, 64, bias=False).weight, rtol=0, atol=0)
+
+
+def test_tensors_a_checkpoint_fills_afterwards_are_not_initialized() -> None:
+    # HybridStrategy(weights=...): what the checkpoint loads next would only be overwritten (and initializing a
+    # sharded tensor makes a full-size temporary of it: the last stage's head peaked at 1.9x its share).
+    model = _meta_gpt(2)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.ln_f.weight.fill_(7.0)
+        model.blocks[0].attn.qkv.weight.fill_(7.0)
+    skip = {"ln_f.weight", "blocks.0.attn.qkv.weight"}
+    init_weights(model, seed=3, skip=skip)
+    assert torch.equal(model.ln_f.weight, torch.full((32,), 7.0))  # LayerNorm writes only skipped tensors: not run
+    qkv = model.blocks[0].attn.qkv  # its initializer also writes the bias, which is not skipped: it runs
+    assert qkv.bias.abs().max() <= 1 / 32**0.5 and qkv.bias.std() > 0
+
+
+def _local_parts(rank: int, results: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_hybrid._compat import StridedShard
+    from lightning_hybrid.parallel.initialization import _keep_local_part
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(30.0).reshape(6, 5)
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    part = _keep_local_part(full, sharded)
+    strided = distribute_tensor(full, mesh, [StridedShard(0, split_factor=3)])
+    results[rank] = dict(view=part.untyped_storage().data_ptr() == full.untyped_storage().data_ptr(),
+                         part=torch.equal(part, sharded.to_local()),
+                         strided=torch.equal(_keep_local_part(full, strided), strided.to_local()))
+
+
+def test_the_local_part_of_a_full_value_is_a_view_of_it_where_the_shard_is_a_box() -> None:
+    # A box of the full tensor needs no copy (the redistribution from Replicate cloned it: one more shard-size
+    # temporary at materialization's peak); a strided shard still goes through DTensor's redistribution.
+    results = on_two_ranks(_local_parts)
+    assert results == {0: dict(view=True, part=True, strided=True), 1: dict(view=True, part=True, strided=True)}
 
 
 @pytest.mark.slow
