@@ -102,10 +102,10 @@ class SetupBatch:
     def substitute(self, dataloader: Any) -> Any:
         """What the loop should iterate for ``dataloader`` (the strategy's ``process_dataloader`` asks): the processed
         loader whose first batch the probe took, in place of the loop's own copy of it; any other loader as given."""
-        processed, self._processed = self._processed, None
-        if processed is None or self.trainer.state.stage != self.stage:
-            self._processed = processed  # not yet the loop this batch is for
+        processed = self._processed
+        if processed is None or self.trainer.state.stage != self.stage:  # none, or not yet the loop it is for
             return dataloader
+        self._processed = None  # the loop's first training (or evaluation) loader: taken over, or given up
         same = dataloader is processed or (isinstance(dataloader, DataLoader) and dataloader.dataset is processed.dataset)
         return processed if same else dataloader
 
