@@ -235,6 +235,15 @@ class FusedGQALM(nn.Module):
         return self.head(self.norm(x))
 
 
+def _flow(name: str) -> Callable[[dict[str, Any]], nn.Module]:
+    def build(config: dict[str, Any]) -> nn.Module:
+        from tests import zoo_flow  # data-flow mechanisms: two block lists, values that skip stages
+
+        return getattr(zoo_flow, name)(zoo_flow.FlowConfig(**config))
+
+    return build
+
+
 @dataclass(frozen=True)
 class ZooEntry:
     """A family: how to build it from config overrides, and its number-of-blocks field."""
@@ -258,6 +267,16 @@ ZOO: dict[str, ZooEntry] = {
     "hf_vit": ZooEntry(hf.TokensAsImageViT, "num_hidden_layers"),
     "hf_t5_encoder": ZooEntry(hf.T5EncoderLM, "num_layers"),
     "mixed_moe": ZooEntry(lambda config: _mixed_moe(config), "n_layers"),
+    "hf_bart": ZooEntry(hf.BartLM, "layers"),
+    "hf_mamba": ZooEntry(hf.hugging_face_mamba, "num_hidden_layers"),
+    "hf_deepseek_v3": ZooEntry(hf.hugging_face_deepseek_v3, "num_hidden_layers"),
+    "hf_qwen3_moe": ZooEntry(hf.hugging_face_qwen3_moe, "num_hidden_layers"),
+    "hf_olmo2": ZooEntry(hf.hugging_face_olmo2, "num_hidden_layers"),
+    "hf_swin": ZooEntry(hf.TokensAsImageSwin, "layers"),
+    "two_lists": ZooEntry(_flow("ConditionedTwoListLM"), "n_layers"),
+    "encoder_decoder": ZooEntry(_flow("EncoderDecoderLM"), "n_layers"),
+    # not trained by the zoo: a step the pipeline cannot split right, for the setup verification to stop
+    "early_exit_sum": ZooEntry(_flow("EarlyExitSumLM"), "n_layers"),
     # the same family in another configuration: other width and head count, one key/value head, untied head
     "hf_qwen2_mqa": ZooEntry(lambda config: hf.hugging_face_qwen2(
         {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 1, "tie_word_embeddings": False,

@@ -118,3 +118,91 @@ class T5EncoderLM(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.head(self.encoder(input_ids=tokens).last_hidden_state)
+
+
+class BartLM(nn.Module):
+    """An unmodified ``BartForConditionalGeneration`` (encoder-decoder: two block lists, cross-attention reading
+    the encoder's output in every decoder block, embeddings shared by encoder, decoder and head): the tokens are
+    the encoder's input and, shifted right, the decoder's."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        from transformers import BartConfig, BartForConditionalGeneration
+
+        settings = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=SEQ,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
+                        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, attn_implementation="eager")
+        if "layers" in config:
+            settings.update(encoder_layers=config["layers"], decoder_layers=config["layers"])
+        self.bart = BartForConditionalGeneration(BartConfig(**{**settings, **{k: v for k, v in config.items()
+                                                                             if k != "layers"}}))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.bart(input_ids=tokens, decoder_input_ids=tokens.roll(1, dims=1)).logits
+
+
+def hugging_face_mamba(config: dict[str, Any]) -> nn.Module:
+    """``MambaForCausalLM``: state-space mixers (``in_proj``, depthwise ``conv1d``, ``x_proj``, ``dt_proj``,
+    ``A_log``, ``D``, ``out_proj``), its reference scan on CPU."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    settings = dict(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4,
+                    use_cache=False, tie_word_embeddings=True)
+    return MambaForCausalLM(MambaConfig(**{**settings, **config}))
+
+
+def hugging_face_deepseek_v3(config: dict[str, Any]) -> nn.Module:
+    """``DeepseekV3ForCausalLM``: multi-head latent attention (low-rank q and kv projections with a shared rotary
+    key), the first block dense and the others mixture-of-experts with a shared expert."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    settings = dict(_DECODER, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4,
+                    num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                    use_cache=False)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**{**settings, **config}))
+
+
+def hugging_face_qwen3_moe(config: dict[str, Any]) -> nn.Module:
+    """``Qwen3MoeForCausalLM``: q/k RMSNorm per head, every block a routed mixture of experts."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    settings = dict(_DECODER, num_key_value_heads=2, head_dim=8, moe_intermediate_size=32, num_experts=4,
+                    num_experts_per_tok=2, decoder_sparse_step=1, use_cache=False)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**settings, **config}))
+
+
+def hugging_face_olmo2(config: dict[str, Any]) -> nn.Module:
+    """``Olmo2ForCausalLM``: q and k RMSNorm over the whole projection width, norms after attention and MLP."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    settings = dict(_DECODER, num_key_value_heads=4, use_cache=False, pad_token_id=1, eos_token_id=2)
+    return Olmo2ForCausalLM(Olmo2Config(**{**settings, **config}))
+
+
+class TokensAsImageSwin(nn.Module):
+    """An unmodified hierarchical ``SwinModel`` on the tokens as a 16×16 image of embeddings (4×4 patches of a
+    token each, windows of 2×2 patches, a patch-merging step between its two stages), a linear head per token
+    from the last stage's features, upsampled back to the 16 positions."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        from transformers import SwinConfig, SwinModel
+
+        settings = dict(image_size=16, patch_size=4, num_channels=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+                        window_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        drop_path_rate=0.0)
+        if "layers" in config:
+            settings["depths"] = [config["layers"], config["layers"]]
+        swin_config = SwinConfig(**{**settings, **{k: v for k, v in config.items() if k != "layers"}})
+        self.embed = nn.Embedding(VOCAB, 4 * 4 * 4)  # a 4×4 patch of 4 channels per token
+        self.swin = SwinModel(swin_config)
+        self.head = nn.Linear(swin_config.embed_dim * 2, 4 * VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        b = tokens.shape[0]
+        patches = self.embed(tokens).view(b, 4, 4, 4, 4, 4)  # (b, row, col, channel, y, x)
+        image = patches.permute(0, 3, 1, 4, 2, 5).reshape(b, 4, 16, 16)
+        features = self.swin(pixel_values=image).last_hidden_state  # (b, 4, 2·embed): 2×2 merged patches
+        return self.head(features).view(b, 4, 4, VOCAB).reshape(b, SEQ, VOCAB)

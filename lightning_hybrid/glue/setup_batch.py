@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch import Trainer
@@ -131,17 +131,21 @@ def setup_probe(trainer: Trainer, module: nn.Module, blocks: BlockList,
     batch = SetupBatch(trainer)
     prepared: list[Any] = []
 
-    def run_step(microbatches: int) -> Any:
+    def run_on(work: Callable[[Any], Any]) -> Any:
         if not prepared:
             prepared.append(_converted(trainer, module, batch.batch, device))
-        step_batch = first_microbatch(prepared[0], microbatches) if microbatches > 1 else prepared[0]
         context = getattr(trainer.strategy.precision_plugin, batch.context_name)
         with context(), muted_logs(module):
-            return getattr(module, batch.step_name)(step_batch, 0)
+            return work(prepared[0])
+
+    def run_step(microbatches: int) -> Any:
+        return run_on(lambda whole: getattr(module, batch.step_name)(
+            first_microbatch(whole, microbatches) if microbatches > 1 else whole, 0))
 
     # Taking the batch starts the loop's own iterator, which draws its seed from the random stream as the loop would
     # have: done before the probe isolates its runs, so that the draw stays.
-    return batch, StepProbe(module, blocks, run_step, device, prepare=lambda: batch.batch)
+    return batch, StepProbe(module, blocks, run_step, device, prepare=lambda: batch.batch, run_on=run_on,
+                            step_name=batch.step_name)
 
 
 def first_microbatch(batch: Any, microbatches: int) -> Any:

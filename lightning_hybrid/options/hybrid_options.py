@@ -97,6 +97,10 @@ class HybridOptions:
             ``CPUOffloadPolicy``); parameters are copied to the device for each block's forward and backward and
             the optimizer steps on CPU.
         verify_tp_plan: Run one block unsharded and sharded at setup and refuse a plan whose outputs differ.
+        verify_pipeline: With pp > 1, run the first batch's training step pipelined and unsplit at setup (loss and
+            every gradient, dropout off) and refuse a pipeline whose numbers differ, or a step that microbatching
+            changes (BatchNorm, a loss coupling a batch's samples); costs one extra step with the whole model on
+            each rank at setup. Not done for a model on the meta device.
         save_distributed_checkpoint: One DCP shard per rank (``True``) or one consolidated file on rank 0.
         cluster: The hardware an ``"auto"`` layout is planned for (a :class:`~lightning_hybrid.Cluster`
             whose nodes × GPUs per node match the Trainer's); by default GPUs are recognised by name and CPUs probed.
@@ -148,6 +152,7 @@ class HybridOptions:
     activation_checkpointing: ActivationCheckpointing = None
     offload: bool = False
     verify_tp_plan: bool = True
+    verify_pipeline: bool = True
     save_distributed_checkpoint: bool = True
     cluster: Optional[Cluster] = None
     weights: Optional[Union[str, os.PathLike]] = None

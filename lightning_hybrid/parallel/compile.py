@@ -70,8 +70,11 @@ def compile_blocks(module: nn.Module, blocks_path: str, blocks: Sequence[nn.Modu
 
 def _compiled_around(module: nn.Module, blocks_path: str) -> bool:
     """Whether ``module`` or a module on the path down to the block container is compiled."""
-    names = blocks_path.split(".") if blocks_path else []
-    return any(is_compiled(module.get_submodule(".".join(names[:depth]))) for depth in range(len(names) + 1))
+    for path in blocks_path.split(","):
+        names = path.split(".") if path else []
+        if any(is_compiled(module.get_submodule(".".join(names[:depth]))) for depth in range(len(names) + 1)):
+            return True
+    return False
 
 
 def _forward_in_torch(cls: type) -> bool:

@@ -22,7 +22,10 @@
    each stage module is the root of its own units;
 6. **materialization**: a meta-device model gets its values now that each rank holds only its shards;
 7. **pretrained weights** (``weights=``): a Hugging Face checkpoint is read into the final shards, each rank
-   reading only its slices of each tensor, so no rank ever holds the whole model.
+   reading only its slices of each tensor, so no rank ever holds the whole model;
+8. **pipeline verification** (``verify_pipeline``): last, so that the pipelined step it runs on the first batch
+   is the one training will run, every parallelism applied; compared with the unsplit step taken in step 1
+   (:mod:`lightning_hybrid.pipeline.verify`).
 
 Example::
 
@@ -36,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Optional, Sequence, Union
 
@@ -62,6 +66,7 @@ from lightning_hybrid.parallel.fsdp import FSDPOptions, apply_fsdp, mixed_precis
 from lightning_hybrid.tensor_parallel.apply import apply_tensor_parallel
 from lightning_hybrid.tensor_parallel.vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
 from lightning_hybrid.pipeline.runtime import Pipeline, build_pipeline
+from lightning_hybrid.pipeline.verify import LOW_PRECISION_TOLERANCE, TOLERANCE, check_pipeline
 from lightning_hybrid.options.schedules import PipelineSchedule
 
 @dataclass
@@ -90,13 +95,13 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     if dims.pp > 1:
         assert options.pipeline_schedule is not None
         result.pipeline = apply_pipeline_split(module, blocks_path, blocks, options.pipeline_schedule, mesh, device,
-                                               probe, options.pp_split, compute_dtype)
+                                               probe, options.pp_split, compute_dtype, options.verify_pipeline)
         owned = result.pipeline.owned_blocks
     # 2. tensor parallelism
     if dims.tp > 1 or options.tp_plan:
+        tp_plan = {**held_modules_whole(module, result.pipeline), **options.tp_plan}
         result.tp_plan = apply_tensor_parallel(module, blocks_path, blocks, probe.record().block_calls, mesh[TENSOR],
-                                               tp_plan=options.tp_plan, verify=options.verify_tp_plan,
-                                               apply_to=owned)
+                                               tp_plan=tp_plan, verify=options.verify_tp_plan, apply_to=owned)
         if vocab:
             result.tp_plan.update(shard_vocab_layers(module, vocab, mesh[TENSOR], options.loss_parallel))
         rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={dims.tp}): {result.tp_plan}")
@@ -116,7 +121,38 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     # 7. pretrained weights, read into the shards in place (needs the final layout: each rank reads its slices)
     if options.weights is not None:
         load_pretrained(module, options.weights)
+    # 8. pipeline verification
+    if result.pipeline is not None and result.pipeline.unsplit is not None:
+        apply_pipeline_check(result.pipeline, probe, data_mesh if dims.data_parallel_size > 1 else None, precision)
     return result
+
+
+def apply_pipeline_check(pipeline: Pipeline, probe: StepProbe, data_mesh: Optional[DeviceMesh], precision: str) -> None:
+    """One pipelined step on the first batch against the unsplit step (:func:`check_pipeline`); its cost logged."""
+    assert pipeline.unsplit is not None
+    start = time.perf_counter()
+    full = precision.startswith(("32", "64"))
+    tolerance = TOLERANCE[torch.float32] if full else LOW_PRECISION_TOLERANCE
+    difference = check_pipeline(pipeline, probe, pipeline.unsplit, data_mesh.get_group() if data_mesh else None,
+                                tolerance)
+    seconds = pipeline.unsplit.seconds + time.perf_counter() - start
+    rank_zero_info(f"HybridStrategy: pipeline verified on the first batch against the unsplit step (largest relative"
+                   f" difference {difference:.2g}, tolerance {tolerance:g}) in {seconds:.2f} s"
+                   " (verify_pipeline=False skips this)")
+
+
+def held_modules_whole(module: nn.Module, pipeline: Optional[Pipeline]) -> dict[str, str]:
+    """``tp_plan`` entries keeping whole, in every block of its structure, each module of a block that the pipeline
+    also holds on a stage calling it from outside the block: its copies must share one layout (their gradients
+    are summed), and only the block's stage applies the block's plan."""
+    entries: dict[str, str] = {}
+    for name in pipeline.split.held_inside if pipeline is not None else ():
+        unit = next(u.name for u in pipeline.split.units if u.block_index is not None and name.startswith(u.name + "."))
+        pattern = f"{unit.rpartition('.')[0]}.*.{name[len(unit) + 1:]}"
+        for relative, inner in module.get_submodule(name).named_modules():
+            if any(True for _ in inner.parameters(recurse=False)):
+                entries[f"{pattern}.{relative}" if relative else pattern] = "replicate"
+    return entries
 
 
 def find_vocab(module: nn.Module, blocks: BlockList, dims: ParallelDims, options: HybridOptions,
@@ -151,10 +187,12 @@ def find_blocks(module: nn.Module, options: HybridOptions) -> BlockList:
 
 def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: BlockList, schedule: PipelineSchedule,
                          mesh: DeviceMesh, device: torch.device, probe: StepProbe,
-                         pp_split: Union[None, str, Sequence[int]], compute_dtype: Optional[torch.dtype]) -> Pipeline:
+                         pp_split: Union[None, str, Sequence[int]], compute_dtype: Optional[torch.dtype],
+                         verify: bool = False) -> Pipeline:
     """Cut the blocks into the schedule's stages (by the probe's record; by timing the step on one microbatch with
     ``pp_split="measured"``); this rank's stages are installed with FSDP2 in step 5."""
-    pipeline = build_pipeline(module, blocks_path, blocks, schedule, mesh, device, probe, pp_split, compute_dtype)
+    pipeline = build_pipeline(module, blocks_path, blocks, schedule, mesh, device, probe, pp_split, compute_dtype,
+                              verify=verify)
     rank_zero_info(f"HybridStrategy: pipeline {schedule.name} over {schedule.num_stages} stages, blocks per stage"
                    f" {pipeline.split.blocks_per_stage}, {schedule.microbatches} microbatches")
     if pipeline.measured_split is not None:

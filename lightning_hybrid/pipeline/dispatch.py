@@ -11,10 +11,13 @@ which modules really compute:
   embedding's output) still runs and hands the blocks their extra arguments. Attributes read from a stand-in
   (``head.weight.dtype``, ``embeddings.config``) come from that copy, tensors as zero-memory tensors of the right
   shape and dtype on this device;
-* the stage's first block takes the activation received from the previous stage in place of the stand-in
-  output it was given, and its last block ends the stage by raising :class:`StageOutput` (a ``BaseException``,
-  so user code catching ``Exception`` cannot swallow it) with its output, which the stage module returns to
-  ``PipelineStage`` to send on.
+* a stage ends where the next stage's first block is called: that call's tensors — the residual stream, and
+  every value the step computed earlier and hands to the block (an encoder's output for cross-attention, a
+  timestep/class conditioning, rotary tables, masks) — are raised with :class:`StageOutput` (a
+  ``BaseException``, so user code catching ``Exception`` cannot swallow it), which the stage module returns to
+  ``PipelineStage`` to send on. The next stage's first block takes them in place of what its own run computed
+  from stand-ins, and every later call on that stage given one of those objects gets the received value: values
+  skip stages through the pipeline's messages, and their gradients flow back to where they were computed.
 
 Example::
 
@@ -28,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,14 +40,6 @@ from torch import Tensor, nn
 from lightning_hybrid._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_hybrid.pipeline.split import StageSplit
 from lightning_hybrid.probe.shapes import TensorSpec, UnitShapes, describe_call, output_spec
-
-
-def tensor_leaves(value: Any) -> list[Tensor]:
-    """The tensors in ``value``, in ``tree_flatten`` order. A block's output is most often one tensor, and flattening
-    it costs more than the stand-in itself (tens of microseconds per call, several calls per microbatch)."""
-    if isinstance(value, Tensor):
-        return [value]
-    return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
 
 
 class StageOutput(BaseException):
@@ -57,28 +52,55 @@ class StageOutput(BaseException):
 
 @dataclass
 class ActiveStage:
-    """The stage whose units compute right now: its blocks, its ends, and the activation it received."""
+    """The stage whose units compute right now: its blocks, its ends, and what it received."""
 
     index: int
     blocks: range
     is_first: bool
     is_last: bool
     received: tuple[Tensor, ...]
-    #: Set for a shape pass (:meth:`UnitDispatcher.boundary_shapes`): the last block of each stage → that stage,
-    #: and where the shapes of what the stages send are collected.
+    #: Set for a shape pass (:meth:`UnitDispatcher.boundary_shapes`): the first block of each stage but the first
+    #: → the stage before it, and where the shapes of what the stages send are collected.
     boundaries: Optional[tuple[dict[int, int], dict[int, list[tuple[int, ...]]]]] = None
+    #: ``id`` of a value this stage computed for itself → the value the previous stage sent in its place: every
+    #: later call on this stage given the same object gets the received one (a conditioning vector or an
+    #: encoder's output handed to each block).
+    #: Holds the replaced object too, so that its ``id`` cannot be reused by a new tensor while the stage runs.
+    substitutes: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 class RemoteUnit(nn.Module):
-    """Takes the place of a unit that lives on another pipeline rank: holds no parameters, returns stand-ins."""
+    """Takes the place of a unit that lives on another pipeline rank: holds no parameters, returns stand-ins —
+    except the modules of it that the step calls from outside it on this rank (:meth:`hold`), held here as real
+    modules at their place (``part``: the path of such a module's parent inside the unit)."""
 
-    def __init__(self, dispatcher: "UnitDispatcher", index: int) -> None:
+    def __init__(self, dispatcher: "UnitDispatcher", index: int, part: str = "") -> None:
         super().__init__()
-        self._dispatcher_ref = (dispatcher, index)  # a tuple: not registered as a submodule
+        self._dispatcher_ref = (dispatcher, index, part)  # a tuple: not registered as a submodule
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        dispatcher, index = self._dispatcher_ref
+        dispatcher, index, part = self._dispatcher_ref
+        if part:
+            return dispatcher.stand_in_for(self._shadow(), f"{dispatcher.name(index)}.{part}", args, kwargs)
         return dispatcher.call(index, None, args, kwargs)
+
+    def hold(self, relative: str, module: nn.Module) -> None:
+        """Place ``module``, the unit's module at ``relative``, here: the step calls it on this rank."""
+        dispatcher, index, part = self._dispatcher_ref
+        holder: nn.Module = self
+        *parents, last = relative.split(".")
+        # Registered in ``_modules`` directly: ``add_module`` refuses a name that attribute reads already answer
+        # (from the unit's meta-device copy).
+        for depth, name in enumerate(parents):
+            if name not in holder._modules:
+                holder._modules[name] = RemoteUnit(dispatcher, index, ".".join(filter(None, [part, *parents[:depth + 1]])))
+            holder = holder._modules[name]  # type: ignore[assignment]
+        holder._modules[last] = module
+
+    def _shadow(self) -> nn.Module:
+        dispatcher, index, part = self.__dict__["_dispatcher_ref"]
+        shadow = dispatcher.shadow(index)
+        return shadow.get_submodule(part) if part else shadow
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -86,13 +108,30 @@ class RemoteUnit(nn.Module):
         except AttributeError:
             if name.startswith("__") or "_dispatcher_ref" not in self.__dict__:
                 raise
-            dispatcher, index = self.__dict__["_dispatcher_ref"]
-            return dispatcher.remote_value(getattr(dispatcher.shadow(index), name), f"{dispatcher.name(index)}.{name}")
+            dispatcher, index, part = self.__dict__["_dispatcher_ref"]
+            where = ".".join(filter(None, [dispatcher.name(index), part, name]))
+            return dispatcher.remote_value(getattr(self._shadow(), name), where)
 
     def extra_repr(self) -> str:
-        dispatcher, index = self._dispatcher_ref
+        dispatcher, index, part = self._dispatcher_ref
         unit = dispatcher.split.units[index]
-        return f"{unit.name} on pipeline stage {unit.stage}"
+        return f"{'.'.join(filter(None, [unit.name, part]))} on pipeline stage {unit.stage}"
+
+
+def remote_unit(dispatcher: "UnitDispatcher", index: int, real: nn.Module, owned: dict[int, list[nn.Module]]) -> RemoteUnit:
+    """The stand-in for unit ``index`` (``real``) on a rank whose stages do not hold it, holding those of its
+    modules the step calls outside it on this rank's stages (``owned``: stage → its modules, added to; see
+    :attr:`~lightning_hybrid.pipeline.split.StageSplit.held_inside`)."""
+    unit = dispatcher.split.units[index]
+    remote = RemoteUnit(dispatcher, index)
+    for name, stages in dispatcher.split.held_inside.items():
+        here = [stage for stage in stages if stage in owned]
+        if name.startswith(unit.name + ".") and here:
+            relative = name[len(unit.name) + 1:]
+            module = real.get_submodule(relative)
+            remote.hold(relative, module)
+            owned[here[0]].append(module)
+    return remote
 
 
 _STAGED_CLASSES: dict[type, type] = {}
@@ -111,8 +150,10 @@ def staged_class(cls: type) -> type:
 
 
 class RemoteView:
-    """A submodule of another rank's unit as attribute reads see it (see :meth:`UnitDispatcher.remote_value`); it
-    cannot be called: only whole units stand in."""
+    """A submodule of another rank's unit as attribute reads see it (see :meth:`UnitDispatcher.remote_value`).
+    Called (a block's module called from outside the block, as diffusers' DiT calls
+    ``transformer_blocks[0].norm1.emb``), it stands in like a unit: its value is another stage's, and reaches this
+    one only through a block's arguments (the setup verification catches any other use)."""
 
     def __init__(self, dispatcher: "UnitDispatcher", module: nn.Module, name: str) -> None:
         self.__dict__.update(_dispatcher=dispatcher, _module=module, _name=name)
@@ -123,10 +164,7 @@ class RemoteView:
         return self._dispatcher.remote_value(getattr(self._module, name), f"{self._name}.{name}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"'{self._name}' is part of a unit that computes on another pipeline rank; the step called it directly,"
-            " and only whole units can stand in there. Call the unit itself, or move the call into it."
-        )
+        return self._dispatcher.stand_in_for(self._module, self._name, args, kwargs)
 
 
 class UnitDispatcher:
@@ -140,7 +178,6 @@ class UnitDispatcher:
         self._device = device
         self._compute_dtype = compute_dtype
         self.active: Optional[ActiveStage] = None
-        self._previous_block_output: list[Tensor] = []
         self._ghosts: dict[int, Tensor] = {}
 
     def name(self, index: int) -> str:
@@ -161,10 +198,8 @@ class UnitDispatcher:
         return value
 
     def end_stage(self) -> None:
-        # Drop the last block's output too: kept, it would hold a microbatch's activation until the next stage runs
-        # (measured: one extra residual-stream tensor at the activation peak of a checkpointed last stage).
+        # Drops the received values too: kept, they would hold a microbatch's activations until the next stage runs.
         self.active = None
-        self._previous_block_output = []
 
     def call(
         self, index: int, compute: Optional[Callable[..., Any]], args: tuple, kwargs: dict
@@ -179,32 +214,38 @@ class UnitDispatcher:
                 )
             return compute(*args, **kwargs)
         block = unit.block_index
+        if active.boundaries is not None and block in active.boundaries[0]:
+            self._note_boundary_shapes(active, block, args, kwargs)
         if active.index in unit.computes_on:
             if block == active.blocks.start and not active.is_first:
                 args, kwargs = self._take_received(block, args, kwargs)
-            output = compute(*args, **kwargs)  # type: ignore[misc]
-        elif block is not None and block > active.blocks.stop - 1:
+            elif active.substitutes:
+                args, kwargs = _substituted(args, kwargs, active.substitutes)
+            return compute(*args, **kwargs)  # type: ignore[misc]
+        if block == active.blocks.stop and not active.is_last:
+            # The next stage's first block: what it is given is what this stage sends.
+            raise StageOutput(_call_tensors(*_substituted(args, kwargs, active.substitutes)))
+        if block is not None and block > active.blocks.stop:
             raise RuntimeError(
                 f"Block {block} ran after block {active.blocks.stop - 1}, where stage {active.index} ends: with pp > 1"
                 " the step must run its blocks in order, each once."
             )
-        else:
-            output = self._stand_in(index, args, kwargs)
-        if block is not None:
-            self._previous_block_output = tensor_leaves(output)
-            if active.boundaries is not None and block in active.boundaries[0]:
-                stage = active.boundaries[0][block]
-                active.boundaries[1][stage] = [tuple(t.shape) for t in self._previous_block_output]
-            if block == active.blocks.stop - 1 and not active.is_last:
-                raise StageOutput(output)
-        return output
+        return self._stand_in(index, args, kwargs)
+
+    def _note_boundary_shapes(self, active: ActiveStage, block: int, args: tuple, kwargs: dict) -> None:
+        """A shape pass at a stage's first block: the shapes of what the stage before it sends; the pass ends at
+        the last boundary."""
+        ends, shapes = active.boundaries  # type: ignore[misc]
+        shapes[ends[block]] = [tuple(t.shape) for t in _call_tensors(args, kwargs)]
+        if len(shapes) == len(ends):
+            raise StageOutput(None)
 
     def boundary_shapes(self, run_step: Callable[[], Any]) -> dict[int, list[tuple[int, ...]]]:
         """Stage → shapes of the tensors it sends on, for the microbatch ``run_step`` runs the user's step on: a
-        shape pass, where every unit stands in (no FLOPs) and the step ends after the last stage boundary."""
-        ends = {self.split.block_range(stage).stop - 1: stage for stage in range(self.split.num_stages - 1)}
+        shape pass, where every unit stands in (no FLOPs) and the step ends at the last stage boundary."""
+        starts = {self.split.block_range(stage + 1).start: stage for stage in range(self.split.num_stages - 1)}
         shapes: dict[int, list[tuple[int, ...]]] = {}
-        self.active = ActiveStage(-1, range(0, max(ends) + 1), True, False, (), boundaries=(ends, shapes))
+        self.active = ActiveStage(-1, range(0, max(starts) + 1), True, True, (), boundaries=(starts, shapes))
         try:
             run_step()
         except StageOutput:
@@ -227,12 +268,20 @@ class UnitDispatcher:
             return self._zeros(output)
         return tree_map(lambda v: self._zeros(v) if isinstance(v, TensorSpec) else v, output)
 
+    def stand_in_for(self, module: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
+        """Zeros shaped like the output of ``module`` (a meta-device submodule of a unit's copy) for this call."""
+        output = output_spec(self._meta_call(module, name, args, kwargs))
+        return tree_map(lambda v: self._zeros(v) if isinstance(v, TensorSpec) else v, output)
+
     def _zeros(self, spec: TensorSpec) -> Tensor:
         # Floating outputs in the compute dtype, as FSDP2's mixed-precision policy makes a real unit's.
         dtype = self._compute_dtype if self._compute_dtype is not None and spec.dtype.is_floating_point else spec.dtype
         return torch.zeros(spec.shape, dtype=dtype, device=self._device)
 
     def _meta_output(self, index: int, args: tuple, kwargs: dict) -> Any:
+        return self._meta_call(self._shadows[index], self.name(index), args, kwargs)
+
+    def _meta_call(self, module: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
         def to_meta(value: Any) -> Any:
             if not isinstance(value, Tensor):
                 return value
@@ -241,12 +290,11 @@ class UnitDispatcher:
 
         try:
             with torch.no_grad():
-                return self._shadows[index](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+                return module(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         except Exception as error:
             shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-            unit = self.split.units[index]
             raise RuntimeError(
-                f"'{unit.name}' computes on pipeline stage {unit.stage}; this rank stands in for it and needs the"
+                f"'{name}' computes on another pipeline stage; this rank stands in for it and needs the"
                 f" shape of its output for inputs of shapes {shapes}, which the calls it saw do not derive (a call"
                 f" of another structure, or a size no input size gives), and its meta-device copy could not compute"
                 f" it ({type(error).__name__}: {error}). Give the unit the argument structure of the first batch's"
@@ -254,26 +302,40 @@ class UnitDispatcher:
             ) from error
 
     def _take_received(self, block: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Put the received activation where the stand-in output of the previous block was passed in."""
-        received = self.active.received  # type: ignore[union-attr]
-        previous = self._previous_block_output
-        if len(previous) != len(received):
+        """Put what the previous stage sent where this stage's own run computed the call's tensors (from stand-ins),
+        and remember each swap for the stage's later calls."""
+        active = self.active
+        assert active is not None
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        if len(positions) != len(active.received):
             raise RuntimeError(
-                f"Block {block - 1} gave {len(previous)} tensors but its stage sent {len(received)}."
+                f"Block {block} is called with {len(positions)} tensors, but the stage before it sent"
+                f" {len(active.received)}: with pp > 1 the step must call a stage's first block with the same"
+                " arguments on every stage. Cut elsewhere with HybridStrategy(pp_split=[...]), or use pp=1."
             )
-        replacement = {id(stand_in): real for stand_in, real in zip(previous, received)}
-        if not kwargs and all(isinstance(v, Tensor) for v in args):  # block(x, ...): the args are the leaves
-            leaves, spec = list(args), None
-        else:
-            leaves, spec = tree_flatten((args, kwargs))
-        swapped = [replacement.get(id(v), v) if isinstance(v, Tensor) else v for v in leaves]
-        if all(a is b for a, b in zip(swapped, leaves)):
-            raise RuntimeError(
-                f"Pipeline stages are cut between blocks {block - 1} and {block}, but block {block} is not called"
-                f" with block {block - 1}'s output (the step changes it between the blocks). Cut elsewhere with"
-                " HybridStrategy(pp_split=[...]), or make the code between blocks part of a block."
-            )
-        return (tuple(swapped), kwargs) if spec is None else tree_unflatten(swapped, spec)
+        for position, received in zip(positions, active.received):
+            active.substitutes.setdefault(id(leaves[position]), (leaves[position], received))
+            leaves[position] = received
+        return tree_unflatten(leaves, spec)
+
+
+def _call_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors of a call, in ``tree_flatten`` order: what crosses a stage boundary. Contiguous: process groups
+    send only dense tensors, and a block may be handed a view (T5's position bias, permuted)."""
+    if not kwargs and all(isinstance(v, Tensor) for v in args):  # block(x): flattening costs more than the call
+        return [t.contiguous() for t in args]
+    return [t.contiguous() for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+
+
+def _substituted(args: tuple, kwargs: dict, substitutes: dict[int, tuple[Tensor, Tensor]]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every tensor this stage received a value for replaced by that value."""
+    if not substitutes:
+        return args, kwargs
+    leaves, spec = tree_flatten((args, kwargs))
+    if not any(id(leaf) in substitutes for leaf in leaves):
+        return args, kwargs
+    return tree_unflatten([substitutes[id(leaf)][1] if id(leaf) in substitutes else leaf for leaf in leaves], spec)
 
 
 def make_shadows(root: nn.Module, split: StageSplit, dtype: Optional[torch.dtype] = None) -> list[nn.Module]:

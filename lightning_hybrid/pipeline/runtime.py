@@ -35,40 +35,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_hybrid._compat import keep_forward_actions, tree_map
-from lightning_hybrid.probe.blocks import BlockList, detached
-from lightning_hybrid.pipeline.dispatch import (
-    ActiveStage,
-    RemoteUnit,
-    StageOutput,
-    UnitDispatcher,
-    make_shadows,
-    staged_class,
-    tensor_leaves,
-)
-from lightning_hybrid.pipeline.microbatches import LossTerms, StageBuffers, samples
-from lightning_hybrid.options.schedules import PipelineSchedule
-from lightning_hybrid.pipeline.semantics import (
-    check_batch,
-    combine_logs,
-    combine_outputs,
-    muted_logs,
-    original_log,
-    recording_logs,
-    to_cpu,
-)
 from lightning_hybrid.mesh import PIPELINE
-from lightning_hybrid.pipeline.metric_calls import (
-    MetricCall,
-    MetricRef,
-    combine_metric_calls,
-    recording_metric_calls,
-    replay_metric_calls,
-)
-from lightning_hybrid.pipeline.timed_split import MeasuredSplit, resolve_split
-from lightning_hybrid.pipeline.shared import SharedParameter, combine_gradients, counted_elsewhere, shared_parameters
+from lightning_hybrid.options.schedules import PipelineSchedule
+from lightning_hybrid.pipeline.dispatch import (ActiveStage, StageOutput, UnitDispatcher, make_shadows, remote_unit,
+                                                staged_class)
+from lightning_hybrid.pipeline.metric_calls import (MetricCall, MetricRef, combine_metric_calls,
+                                                    recording_metric_calls, replay_metric_calls)
+from lightning_hybrid.pipeline.microbatches import LossTerms, StageBuffers, samples
+from lightning_hybrid.pipeline.semantics import (check_batch, combine_logs, combine_outputs, muted_logs, original_log,
+                                                 recording_logs, to_cpu)
+from lightning_hybrid.pipeline.shared import (SharedParameter, combine_gradients, counted_elsewhere,
+                                              ghost_unread_parameters, shared_parameters)
 from lightning_hybrid.pipeline.split import StageSplit, check_block_runs, plan_split
-from lightning_hybrid.probe.step_probe import StepProbe
 from lightning_hybrid.pipeline.step_recorder import StepRecorder, StepTimeline
+from lightning_hybrid.pipeline.timed_split import MeasuredSplit, resolve_split
+from lightning_hybrid.pipeline.verify import UnsplitStep, unsplit_step, verifiable
+from lightning_hybrid.probe.blocks import BlockList, detached
+from lightning_hybrid.probe.step_probe import StepProbe
 
 _TWO_LOCAL_STAGES = (
     "'{name}' lives on pipeline stages {stages}, which pp_schedule='{schedule}' places on the same rank, and FSDP2"
@@ -84,10 +67,12 @@ NEEDS_AUTOMATIC_OPTIMIZATION = (
 def build_pipeline(module: Any, blocks_path: str, blocks: BlockList, schedule: PipelineSchedule,
                    mesh: DeviceMesh, device: torch.device, probe: StepProbe,
                    pp_split: Union[None, str, Sequence[int]] = None,
-                   compute_dtype: Optional[torch.dtype] = None) -> "Pipeline":
+                   compute_dtype: Optional[torch.dtype] = None, verify: bool = False) -> "Pipeline":
     """Split the step the setup ``probe`` recorded into the schedule's stages (``pp_split`` blocks per stage;
     ``"measured"``: by the probe's step timed, :mod:`lightning_hybrid.pipeline.timed_split`; else by its FLOPs) and keep
-    meta-device copies of every unit before any other parallelism changes them. ``mesh``: the whole device mesh."""
+    meta-device copies of every unit before any other parallelism changes them. ``mesh``: the whole device mesh.
+    ``verify``: the unsplit step's loss and gradients are taken now, for :mod:`~lightning_hybrid.pipeline.verify`
+    (where the probe can run a training step on a model that has values)."""
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(f"HybridStrategy(pp > 1): {NEEDS_AUTOMATIC_OPTIMIZATION}. Set"
                          " self.automatic_optimization = True or use pp=1.")
@@ -95,9 +80,16 @@ def build_pipeline(module: Any, blocks_path: str, blocks: BlockList, schedule: P
     check_block_runs(record.block_runs)
     pp_split, measured = resolve_split(pp_split, module, blocks, blocks_path, record, schedule, probe, device)
     split = plan_split(module, blocks_path, blocks, record, schedule.num_stages, pp_split)
+    unsplit = None
+    if verify and verifiable(probe):
+        stage_ids = schedule.stage_ids(mesh[PIPELINE].get_local_rank())
+        accumulation = module.trainer.accumulate_grad_batches
+        unsplit = unsplit_step(probe, split, stage_ids, accumulation, schedule.microbatches)
     shadows = make_shadows(module, split, compute_dtype)
     dispatcher = UnitDispatcher(split, shadows, record.outputs, device, compute_dtype)
-    return Pipeline(module, split, schedule, mesh, device, dispatcher, measured)
+    pipeline = Pipeline(module, split, schedule, mesh, device, dispatcher, measured)
+    pipeline.unsplit = unsplit
+    return pipeline
 
 
 class _StageModule(nn.Module):
@@ -155,6 +147,9 @@ class Pipeline:
         self.last_timeline: Optional[StepTimeline] = None
         #: With ``pp_split="measured"``: the measured costs, the split and its predicted stage times and bubble.
         self.measured_split = measured_split
+        #: The unsplit step on the first batch, which :mod:`~lightning_hybrid.pipeline.verify` compares the pipelined
+        #: step with (``None``: not verified).
+        self.unsplit: Optional[UnsplitStep] = None
         last_stage = schedule.stage_ranks()[schedule.num_stages - 1]
         self._last_stage_rank = dist.get_global_rank(self._group, last_stage)
 
@@ -201,29 +196,9 @@ class Pipeline:
             for stage in local:
                 owned[stage].append(getattr(parent, attribute))
             if not local:
-                setattr(parent, attribute, RemoteUnit(self._dispatcher, index))
-        self._ghost_unread_parameters()
+                setattr(parent, attribute, remote_unit(self._dispatcher, index, getattr(parent, attribute), owned))
+        ghost_unread_parameters(self.module, self.split, self.stage_ids, self._device)
         self.stage_modules = {stage: _StageModule(self, stage, units) for stage, units in owned.items()}
-
-    def _ghost_unread_parameters(self) -> None:
-        """Parameters outside the blocks that none of this rank's stages read, where their module stays on this
-        rank: held by a module that contains the blocks (``self.pos_embed``), or by a unit held here for another of
-        its parameters (a masked-LM head kept on the first stage for the decoder weight tied to the embedding also
-        holds a transform that only the last stage runs). Each is replaced by a non-persistent buffer of the same
-        shape and dtype taking no memory, so code that touches it on the way to other units still runs, and the
-        parameter lives only where it is read (no stale copy, no gradient, not in this rank's state dict)."""
-        local = set(self.stage_ids)
-        held_here = [unit.name + "." for unit in self.split.units
-                     if unit.block_index is None and local & set(unit.stages)]
-        for name, stages in self.split.parameter_stages.items():
-            if local & set(stages) or not (name in self.split.direct or name.startswith(tuple(held_here))):
-                continue
-            parent_name, _, attribute = name.rpartition(".")
-            parent = self.module.get_submodule(parent_name)
-            parameter = getattr(parent, attribute)
-            delattr(parent, attribute)
-            ghost = torch.zeros((), dtype=parameter.dtype, device=self._device).expand(parameter.shape)
-            parent.register_buffer(attribute, ghost, persistent=False)
 
     def route_units(self) -> None:
         """Make this rank's units consult the dispatcher on every call (after FSDP2 fixed their classes), those
@@ -253,9 +228,7 @@ class Pipeline:
                 output = getattr(self.module, self._step_name)(batch, *step_args, **step_kwargs)
         except StageOutput as done:
             del logs[marks[0]:], metric_calls[marks[1]:]  # the step did not finish here: its calls do not count
-            # Contiguous: process groups send only dense tensors, and a block may hand on a view (T5's first block
-            # returns its position bias permuted, for the later blocks to add).
-            return tuple(t.contiguous() for t in tensor_leaves(done.output))
+            return tuple(done.output)  # the next stage's first block's tensors (see the dispatcher)
         finally:
             self._dispatcher.end_stage()
         self._microbatch_logs.append(logs[marks[0]:])
@@ -275,8 +248,16 @@ class Pipeline:
         return loss if isinstance(loss, Tensor) and loss.numel() == 1 else torch.zeros((), device=self._device)
 
     # ---------------------------------------------------------------------------------------- one step
-    def run_step(self, step_name: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run ``step_name`` over the batch's microbatches on all stages; returns the step's (combined) output."""
+    def check_step(self, batch: Any) -> tuple[Any, list[tuple[nn.Parameter, Optional[Tensor]]]]:
+        """One training step on ``batch`` for :mod:`~lightning_hybrid.pipeline.verify`: its combined output and each
+        parameter's gradient, set aside and not kept; its logs and metric calls dropped."""
+        output = self.run_step("training_step", batch, 0, replay=False)
+        gradients, self._step_gradients = self._step_gradients, []
+        return output, gradients
+
+    def run_step(self, step_name: str, batch: Any, *args: Any, replay: bool = True, **kwargs: Any) -> Any:
+        """Run ``step_name`` over the batch's microbatches on all stages; returns the step's (combined) output.
+        ``replay``: the step's log and metric calls are made on every rank (Lightning's loop is running)."""
         training = step_name == "training_step"
         schedule = self._start_step(step_name, batch, args, kwargs)
         target = torch.arange(self.schedule.microbatches, device=self._device)  # unused by the loss: one per microbatch
@@ -299,6 +280,8 @@ class Pipeline:
                 grad.mul_(correction)  # each microbatch's share of the loss terms, now that all are counted
         if timed:
             self.last_timeline = self._recorder.timeline(self._pp_rank)
+        if not replay:
+            return output
         replay_metric_calls(self.module, metric_calls, self._device)  # every rank's metrics as one device's
         for name, value, log_kwargs in logs:
             if isinstance(value, MetricRef):

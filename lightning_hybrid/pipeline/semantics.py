@@ -127,11 +127,15 @@ def recording_logs(module: Any, logs: list) -> Iterator[None]:
             )
         logs.append((name, detached(value), kwargs))
 
+    previous = vars(module).get("log")  # an enclosing recording (a step run at setup, logs muted) comes back
     module.log = record  # an instance attribute shadows LightningModule.log for the step's duration
     try:
         yield
     finally:
-        del module.log
+        if previous is None:
+            del module.log
+        else:
+            module.log = previous
 
 
 def original_log(module: Any) -> Callable[..., None]:

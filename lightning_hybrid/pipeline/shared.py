@@ -23,8 +23,9 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -95,11 +96,14 @@ def _groups(mesh: DeviceMesh, kinds: list[tuple[tuple[int, ...], bool]]) -> dict
 
 def combine_gradients(module: nn.Module, shared: list[SharedParameter]) -> None:
     """Sum each shared parameter's gradient over its group (and divide, for data-parallel averaging), in place.
-    Holders of one parameter all have its gradient (each reads it), so every member takes part."""
+    Every member takes part: a holder whose uses did not reach the loss (an embedding computed again on a later
+    stage, whose output the value received from the stage before replaced) adds zeros."""
     for entry in shared:
         parameter = module.get_parameter(entry.names[0])
-        if entry.group is None or parameter.grad is None:
+        if entry.group is None or not parameter.requires_grad:
             continue
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
         parameter.grad = _in_parameter_layout(parameter, parameter.grad)
         local = parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
         dist.all_reduce(local, group=entry.group)
@@ -121,3 +125,23 @@ def _in_parameter_layout(parameter: nn.Parameter, grad: Tensor) -> Tensor:
 def counted_elsewhere(module: nn.Module, shared: list[SharedParameter]) -> set[int]:
     """``id``\\ s of this rank's parameters that another rank of the pipeline counts in the gradient norm."""
     return {id(module.get_parameter(entry.names[0])) for entry in shared if not entry.counted_here}
+
+
+def ghost_unread_parameters(module: nn.Module, split: StageSplit, stage_ids: Sequence[int], device: torch.device) -> None:
+    """Parameters outside the blocks that none of this rank's stages (``stage_ids``) read, where their module stays
+    on this rank: held by a module that contains the blocks (``self.pos_embed``), or by a unit held here for another
+    of its parameters (a masked-LM head kept on the first stage for the decoder weight tied to the embedding also
+    holds a transform that only the last stage runs). Each is replaced by a non-persistent buffer of the same shape
+    and dtype taking no memory, so code that touches it on the way to other units still runs, and the parameter
+    lives only where it is read (no stale copy, no gradient, not in this rank's state dict)."""
+    local = set(stage_ids)
+    held_here = [unit.name + "." for unit in split.units if unit.block_index is None and local & set(unit.stages)]
+    for name, stages in split.parameter_stages.items():
+        if local & set(stages) or not (name in split.direct or name.startswith(tuple(held_here))):
+            continue
+        parent_name, _, attribute = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        parameter = getattr(parent, attribute)
+        delattr(parent, attribute)
+        ghost = torch.zeros((), dtype=parameter.dtype, device=device).expand(parameter.shape)
+        parent.register_buffer(attribute, ghost, persistent=False)

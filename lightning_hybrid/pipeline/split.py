@@ -57,6 +57,9 @@ class StageSplit:
     parameter_stages: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: Parameters held directly by a module that contains the blocks (not by any unit) → their stages.
     direct: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: A module of a block that the step calls from outside the block on other stages than the block's → those
+    #: stages: it is held there too (its parameters, in :attr:`parameter_stages`, are shared like tied weights).
+    held_inside: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def block_range(self, stage: int) -> range:
         """Indices of the blocks that ``stage`` runs."""
@@ -90,7 +93,21 @@ def plan_split(
         computes = _stages(calls, num_stages) or (min(held),)
         split.units.append(Unit(name, None, tuple(sorted(held | set(computes))), computes))
     split.direct = {name: split.parameter_stages[name] for name in record.direct_parameters}
+    _hold_where_called(root, split, record)
     return split
+
+
+def _hold_where_called(root: nn.Module, split: StageSplit, record: SetupRecord) -> None:
+    """Modules of a block called from outside it (:attr:`SetupRecord.block_module_calls`) are also held on the
+    stages that call them, as a tied weight is held on the stages that read it."""
+    for name, phases in record.block_module_calls.items():
+        unit = next(u for u in split.units if u.block_index is not None and name.startswith(u.name + "."))
+        extra = set(_stages(phases, split.num_stages)) - set(unit.stages)
+        if not extra:
+            continue
+        split.held_inside[name] = tuple(sorted(extra))
+        for parameter, _ in root.get_submodule(name).named_parameters():
+            split.parameter_stages[f"{name}.{parameter}"] = tuple(sorted(set(unit.stages) | extra))
 
 
 def _stages(phases: Iterable[str], num_stages: int) -> tuple[int, ...]:

@@ -304,8 +304,8 @@ def _model_entries(root: nn.Module, blocks: BlockList) -> list[nn.Module]:
     of those outside the blocks (embeddings, the head)."""
     entries: dict[int, nn.Module] = {}
     for module in root.modules():
-        if module is not blocks.container and any(m is blocks.container for m in module.modules()):
-            entries.update((id(m), m) for m in (module, *module.children()) if m is not blocks.container)
+        if not blocks.is_container(module) and any(blocks.is_container(m) for m in module.modules()):
+            entries.update((id(m), m) for m in (module, *module.children()) if not blocks.is_container(m))
     return list(entries.values())
 
 

@@ -127,7 +127,7 @@ def tensor_parallel_obstacles(root: nn.Module, blocks_path: str, block_call: tup
     (heads, widths); with ``check_on`` (a device type; every process must call) also by the numeric plan check the
     strategy runs at setup, each degree on temporary process groups of its size (destroyed after the check)."""
     _, blocks = find_block_list(root, blocks_path)
-    overrides = block_tp_overrides(root, tp_plan, blocks_path, blocks.keys)
+    overrides = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in range(len(blocks))])
     args, kwargs = block_call
     trace = trace_block(blocks[0], args, kwargs)
     obstacles = {}

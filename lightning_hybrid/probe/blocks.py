@@ -27,49 +27,70 @@ CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 class BlockList(Sequence[nn.Module]):
-    """The model's repeated blocks in order: a view of the container that holds them, by position, with each
-    block's name in the model (``blocks.name(0) == "model.layers.0"``, or ``"model.layers.<key>"`` in a
-    ``ModuleDict``). Indexing reads the container each time, so a block swapped in place is what it returns."""
+    """The model's repeated blocks in the order the step runs them: a view of the container (or containers, e.g. an
+    encoder's blocks then a decoder's) that holds them, by position, with each block's name in the model
+    (``blocks.name(0) == "model.layers.0"``, or ``"model.layers.<key>"`` in a ``ModuleDict``). Indexing reads the
+    container each time, so a block swapped in place is what it returns.
 
-    def __init__(self, path: str, container: nn.Module) -> None:
-        self.path = path
+    Example::
+
+        BlockList("model.layers", model.layers)                                  # one list
+        BlockList("encoder.layers", encoder_layers, ("decoder.layers", decoder_layers))   # two, run in this order
+    """
+
+    def __init__(self, path: str, container: nn.Module, *more: tuple[str, nn.Module]) -> None:
+        #: ``(path, container)`` of every list of blocks, in the order the step runs them.
+        self.parts: tuple[tuple[str, nn.Module], ...] = ((path, container), *more)
+        #: The lists' paths joined by ``","`` (what ``HybridStrategy(blocks=...)`` accepts for several lists).
+        self.path = ",".join(part for part, _ in self.parts)
         self.container = container
-        #: The blocks' names inside the container, in order.
-        self.keys = tuple(name for name, _ in container.named_children())
+        self._entries = [(part_path, held, name) for part_path, held in self.parts for name, _ in held.named_children()]
+        #: The blocks' names inside their containers, in order.
+        self.keys = tuple(name for _, _, name in self._entries)
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self._entries)
 
     def __getitem__(self, index: int) -> nn.Module:  # type: ignore[override]
-        return self.container.get_submodule(self.keys[index])
+        _, container, key = self._entries[index]
+        return container.get_submodule(key)
 
     def name(self, index: int) -> str:
         """The block's name in the root module."""
-        return f"{self.path}.{self.keys[index]}" if self.path else self.keys[index]
+        path, _, key = self._entries[index]
+        return f"{path}.{key}" if path else key
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        return self.container.parameters()
+        for _, container in self.parts:
+            yield from container.parameters()
+
+    def is_container(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of the lists holding the blocks."""
+        return any(module is container for _, container in self.parts)
+
+    def contains_name(self, name: str) -> bool:
+        """Whether the module or parameter ``name`` (in the root) lies inside one of the blocks."""
+        return any(name.startswith(path + ".") if path else len(container) > 0 for path, container in self.parts)
+
+    def modules(self) -> Iterator[nn.Module]:
+        """Every module of every block (and the containers)."""
+        for _, container in self.parts:
+            yield from container.modules()
 
 
 def find_block_list(root: nn.Module, path: str | None = None) -> tuple[str, BlockList]:
     """Return ``(name, blocks)`` of the model's repeated blocks.
 
-    The outermost container (``ModuleList``, ``Sequential`` or ``ModuleDict``) of two or more blocks — modules
-    with parameters, of one class or of several (dense and mixture-of-experts layers) — preferring the one with
-    the most children, then the most parameters (a list of experts inside each block is not the model's block
-    list). ``path`` names the container explicitly and skips the search.
+    The outermost containers (``ModuleList``, ``Sequential`` or ``ModuleDict``) of two or more blocks — modules
+    with parameters, of one class or composite modules of several (dense and mixture-of-experts layers); never a
+    container of unlike parts such as ``ModuleDict(wte=..., h=ModuleList(...), ln_f=...)``. The one with the most
+    children, then the most parameters, holds the blocks; other outermost containers of composite blocks (a
+    decoder's beside an encoder's, single-stream beside double-stream blocks) join it, in the order the model
+    registers them. ``path`` names the container explicitly (several: ``"encoder.layers,decoder.layers"``, in the
+    order the step runs them) and skips the search.
     """
     if path is not None:
-        try:
-            container = root.get_submodule(path)
-        except AttributeError as error:
-            raise ValueError(f"HybridStrategy(blocks={path!r}): {type(root).__name__} has no submodule {path!r}.") from error
-        if not isinstance(container, CONTAINERS) or len(container) == 0:
-            raise ValueError(
-                f"HybridStrategy(blocks={path!r}) must name a non-empty nn.ModuleList, nn.Sequential or"
-                f" nn.ModuleDict, got {type(container).__name__}."
-            )
-        return path, BlockList(path, container)
+        return path, BlockList(*_named_parts(root, path))
     found = [(name, module) for name, module in root.named_modules()
              if isinstance(module, CONTAINERS) and len(module) >= 2 and _holds_blocks(module)]
     candidates = [(name, module) for name, module in found
@@ -82,13 +103,42 @@ def find_block_list(root: nn.Module, path: str | None = None) -> tuple[str, Bloc
             f" holds two or more blocks (containers found: {', '.join(containers) or 'none'})."
             " Pass HybridStrategy(blocks='path.to.block_list') to name the container."
         )
-    name, container = max(candidates, key=lambda item: (len(item[1]), _parameter_count(item[1])))
-    return name, BlockList(name, container)
+    main = max(candidates, key=lambda item: (len(item[1]), _parameter_count(item[1])))
+    parts = [item for item in candidates if item is main or all(_composite(child) for child in item[1].children())]
+    blocks = BlockList(*parts[0], *parts[1:])
+    return blocks.path, blocks
+
+
+def _named_parts(root: nn.Module, path: str) -> list:
+    parts = []
+    for part in path.split(","):
+        part = part.strip()
+        try:
+            container = root.get_submodule(part)
+        except AttributeError as error:
+            raise ValueError(f"HybridStrategy(blocks={path!r}): {type(root).__name__} has no submodule {part!r}.") from error
+        if not isinstance(container, CONTAINERS) or len(container) == 0:
+            raise ValueError(
+                f"HybridStrategy(blocks={path!r}) must name non-empty nn.ModuleList, nn.Sequential or nn.ModuleDict"
+                f" containers (several separated by ','), got {type(container).__name__} at {part!r}."
+            )
+        parts.append((part, container))
+    return [*parts[0], *parts[1:]]
 
 
 def _holds_blocks(container: nn.Module) -> bool:
-    """Every child has parameters (activations and dropout between layers mean a hand-written trunk)."""
-    return all(any(True for _ in child.parameters()) for child in container.children())
+    """Every child has parameters (activations and dropout between layers mean a hand-written trunk); children of
+    several classes must each be a composite module that is not itself a container (dense and MoE layers, not an
+    embedding beside a list of layers and a norm)."""
+    children = list(container.children())
+    if not all(any(True for _ in child.parameters()) for child in children):
+        return False
+    return len({type(child) for child in children}) == 1 or all(
+        _composite(child) and not isinstance(child, CONTAINERS) for child in children)
+
+
+def _composite(module: nn.Module) -> bool:
+    return any(True for _ in module.children())
 
 
 def _parameter_count(module: nn.Module) -> int:

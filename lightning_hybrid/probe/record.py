@@ -72,6 +72,9 @@ class SetupRecord:
     outer_units: list[str]
     #: Parameters held directly by a module that also contains the blocks (e.g. a ``pos_embed`` tensor).
     direct_parameters: list[str]
+    #: A module inside a block that the step calls from outside any block (diffusers' DiT calls
+    #: ``transformer_blocks[0].norm1.emb`` after the trunk) → the phases it was called in (outermost such calls).
+    block_module_calls: dict[str, set[str]] = field(default_factory=dict)
     #: How every unit's (block or outer unit) output shapes follow its input shapes, from the calls seen.
     outputs: UnitShapes = field(default_factory=UnitShapes)
 
@@ -125,9 +128,9 @@ def outer_modules(root: nn.Module, blocks: BlockList) -> tuple[dict[str, nn.Modu
     def visit(module: nn.Module, prefix: str) -> None:
         direct.extend(prefix + name for name, _ in module.named_parameters(recurse=False))
         for name, child in module.named_children():
-            if child is blocks.container:
+            if blocks.is_container(child):
                 continue
-            if any(m is blocks.container for m in child.modules()):
+            if any(blocks.is_container(m) for m in child.modules()):
                 visit(child, f"{prefix}{name}.")
             elif any(True for _ in child.parameters()):
                 found[prefix + name] = child
@@ -174,11 +177,11 @@ class _Recorder:
 
     def __init__(self, root: nn.Module, blocks: BlockList, units: dict[str, nn.Module], capture: set[int]) -> None:
         self.blocks, self.units, self.capture = blocks, units, capture
-        inside = {id(m) for m in blocks.container.modules()}
+        inside = {id(m) for m in blocks.modules()}
         # Modules that hold parameters: the units, the vocabulary's candidates, whatever may read a weight. Not a
         # torchmetrics metric, which its own code copies (deep copies reach this recorder through the hooks).
         self.outside = {name: m for name, m in root.named_modules() if id(m) not in inside
-                        and not any(c is blocks.container for c in m.modules()) and any(True for _ in m.parameters())}
+                        and not any(blocks.is_container(c) for c in m.modules()) and any(True for _ in m.parameters())}
         self.names_of = _parameter_names(root, inside)
         self.phase = BEFORE
         self.running: list[str] = []
@@ -193,6 +196,9 @@ class _Recorder:
         self.counter = FlopCounterMode(display=False)
         self.marks: dict[str, float] = {}
         self.outputs = UnitShapes()
+        self.blocks_running = 0
+        self.called_from_outside: dict[str, set[str]] = {}
+        self.outside_call: Optional[str] = None  # the block module called from outside that is running
 
     def __deepcopy__(self, memo: dict) -> "_Recorder":
         # A hooked module the step deep-copies (an EMA copy, a metric's clone) copies its hooks: they share this
@@ -206,6 +212,7 @@ class _Recorder:
                                                            with_kwargs=True))
             handles.append(block.register_forward_hook(functools.partial(self._block_finished, index)))
             handles.append(self._record_outputs(self.blocks.name(index), block))
+            handles.extend(self._watch_block_modules(self.blocks.name(index), block))
         for name, module in self.outside.items():
             handles.append(module.register_forward_pre_hook(functools.partial(self._entered, name)))
             handles.append(module.register_forward_hook(self._left))
@@ -218,6 +225,25 @@ class _Recorder:
 
         return module.register_forward_hook(record, with_kwargs=True)
 
+    def _watch_block_modules(self, block_name: str, block: nn.Module) -> list[Any]:
+        """Hooks noting a module of the block called while no block runs (outermost calls only)."""
+        def entered(name: str, module: nn.Module, args: tuple) -> None:
+            if self.blocks_running == 0 and self.outside_call is None:
+                self.outside_call = name
+                self.called_from_outside.setdefault(name, set()).add(self.phase)
+
+        def left(name: str, *_: Any) -> None:
+            if self.outside_call == name:
+                self.outside_call = None
+
+        handles = []
+        for relative, module in block.named_modules():
+            if relative and any(True for _ in module.parameters()):
+                name = f"{block_name}.{relative}"
+                handles.append(module.register_forward_pre_hook(functools.partial(entered, name)))
+                handles.append(module.register_forward_hook(functools.partial(left, name)))
+        return handles
+
     def _block_started(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if index in self.capture and index not in self.block_calls:
             self.copying = True  # copying a value that holds weights reads them for no step's sake
@@ -226,12 +252,14 @@ class _Recorder:
             finally:
                 self.copying = False
         self.block_runs[index] += 1
+        self.blocks_running += 1
         self.phase = TRUNK
         self.marks["block"] = self.counter.get_total_flops()
         if index == 0:
             self.marks["trunk"] = self.marks["block"]
 
     def _block_finished(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        self.blocks_running -= 1
         self.block_flops[index] += self.counter.get_total_flops() - self.marks["block"]
         if index == len(self.blocks) - 1:
             self.phase = AFTER
@@ -265,6 +293,7 @@ class _Recorder:
             parameter_reads={name: self.reads.get(name, set()) for name in names},
             parameter_readers={name: self.readers.get(name, set()) for name in names},
             outer_units=units, direct_parameters=direct, outputs=self.outputs,
+            block_module_calls=self.called_from_outside,
         )
 
 

@@ -34,15 +34,21 @@ from lightning_hybrid.probe.record import SetupRecord, record_step
 
 #: The step on the probe's batch, or on the first of ``microbatches`` equal parts of it.
 RunStep = Callable[[int], Any]
+#: ``run_on(work)``: ``work(batch)`` on the probe's batch, inside the step's context (precision, logs muted).
+RunOn = Callable[[Callable[[Any], Any]], Any]
 
 
 class StepProbe:
     """The user's step at setup: :meth:`record` once, :meth:`run` again for timing (see the module docstring)."""
 
     def __init__(self, root: nn.Module, blocks: BlockList, run_step: RunStep, device: torch.device,
-                 prepare: Callable[[], Any] = lambda: None) -> None:
+                 prepare: Callable[[], Any] = lambda: None, run_on: Optional[RunOn] = None,
+                 step_name: str = "training_step") -> None:
         self.root, self.blocks, self.device = root, blocks, device
         self._run_step = run_step
+        #: The step method the probe runs (the trainer's mode: ``"training_step"`` when fitting).
+        self.step_name = step_name
+        self._run_on = run_on
         # Work the training itself would do, done early for the probe (the loop's data iterator started): once,
         # before the first run and outside its isolation, so that its effects on the random streams stay.
         self._prepare: Optional[Callable[[], Any]] = prepare
@@ -60,6 +66,22 @@ class StepProbe:
         """The step on the first of ``microbatches`` parts of the batch, as the caller's context leaves gradients;
         returns its output. Not isolated by itself: run it inside :meth:`isolated`."""
         return self._run_step(microbatches)
+
+    @property
+    def can_run_on(self) -> bool:
+        """Whether :meth:`run_on` can hand out the batch (a probe built from a Trainer's loop can)."""
+        return self._run_on is not None
+
+    def run_on(self, work: Callable[[Any], Any]) -> Any:
+        """``work(batch)`` on the probe's batch, converted as the step receives it, inside the step's context (the
+        precision plugin's, ``self.log`` muted); not isolated by itself."""
+        if self._run_on is None:
+            raise RuntimeError("This StepProbe was built without run_on: it cannot hand out its batch.")
+        return self._run_on(work)
+
+    def step(self, batch: Any) -> Any:
+        """The step method on ``batch`` (batch index 0), as :meth:`run_on`'s work."""
+        return getattr(self.root, self.step_name)(batch, 0)
 
     def isolated(self) -> contextlib.AbstractContextManager[None]:
         """Within it, the random streams are forked and every buffer is restored on exit (the first call runs the

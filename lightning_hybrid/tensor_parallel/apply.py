@@ -120,7 +120,7 @@ def apply_tensor_parallel(
     pipeline stages) and to ``tp_plan``'s other entries. Returns the applied plan as ``{module name pattern:
     style}``."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
-    outside = {name: entry for name, entry in overrides.items() if not name.startswith(blocks_path + ".")}
+    outside = {name: entry for name, entry in overrides.items() if not blocks.contains_name(name)}
     structures = block_structures(blocks)
     described: dict[str, str] = {}
     for indices in structures:
@@ -137,7 +137,7 @@ def apply_tensor_parallel(
             was_training = block.training
             apply_block_plan(block, plan, mesh)
             block.train(was_training)
-        prefixes = [f"{blocks_path}.*"] if len(structures) == 1 else [blocks.name(i) for i in indices]
+        prefixes = [f"{blocks_path}.*"] if len(structures) == 1 and len(blocks.parts) == 1 else [blocks.name(i) for i in indices]
         described.update({k: v for prefix in prefixes for k, v in plan.describe(prefix).items()})
     for name, entry in outside.items():
         style = style_for(entry)
@@ -162,7 +162,7 @@ def plan_tensor_parallel(
     plan are checked against the unsharded block on ``mesh`` (collective over it; raises ``RuntimeError`` naming
     the layers to keep whole if no candidate computes the same)."""
     indices = list(range(len(blocks))) if indices is None else list(indices)
-    in_block = block_tp_overrides(root, tp_plan, blocks_path, [blocks.keys[i] for i in indices])
+    in_block = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in indices])
     accelerator_rng = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator_rng):  # planning must not shift the user's random streams
         reference = _reference_copy(blocks[indices[0]], mesh)

@@ -321,27 +321,30 @@ def resolve_overrides(tp_plan: Mapping[str, PlanEntry], names: list[str]) -> dic
     return resolved
 
 
-def block_tp_overrides(root: nn.Module, tp_plan: Mapping[str, PlanEntry], blocks_path: str,
-                       keys: Sequence[str]) -> dict[str, PlanEntry]:
-    """``tp_plan``'s entries for the blocks ``keys`` names (their names in their container; blocks of one
+def block_tp_overrides(root: nn.Module, tp_plan: Mapping[str, PlanEntry],
+                       block_names: Sequence[str]) -> dict[str, PlanEntry]:
+    """``tp_plan``'s entries for the blocks ``block_names`` names (their names in the root; blocks of one
     structure), relative to one block: the plan each of them gets."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
-    return _per_block_overrides(overrides, blocks_path, keys)
+    return _per_block_overrides(overrides, block_names)
 
 
-def _per_block_overrides(overrides: Mapping[str, PlanEntry], blocks_path: str,
-                         keys: Sequence[str]) -> dict[str, PlanEntry]:
-    """``tp_plan`` entries inside the blocks ``keys`` names, relative to one block; one plan serves them all."""
-    per_block: dict[str, dict[str, PlanEntry]] = {key: {} for key in keys}
+def _per_block_overrides(overrides: Mapping[str, PlanEntry], block_names: Sequence[str]) -> dict[str, PlanEntry]:
+    """``tp_plan`` entries inside the blocks ``block_names`` names, relative to one block; one plan serves them
+    all."""
+    per_block: dict[str, dict[str, PlanEntry]] = {block: {} for block in block_names}
     for name, entry in overrides.items():
-        if name.startswith(blocks_path + "."):
-            key, _, relative = name[len(blocks_path) + 1:].partition(".")
-            if key in per_block:
-                per_block[key][relative] = entry
+        block, _, relative = name.rpartition(".")
+        while block and block not in per_block:
+            block, _, head = block.rpartition(".")
+            relative = f"{head}.{relative}"
+        if block:
+            per_block[block][relative] = entry
     plans = list(per_block.values())
     if any(entries != plans[0] for entries in plans):
+        where = block_names[0].rpartition(".")[0]
         raise ValueError(
-            f"tp_plan entries inside '{blocks_path}' must treat every block of one structure alike (one plan is"
-            f" applied to all of them); write them with a wildcard, e.g. '{blocks_path}.*.attn.qkv'."
+            f"tp_plan entries inside '{where}' must treat every block of one structure alike (one plan is"
+            f" applied to all of them); write them with a wildcard, e.g. '{where}.*.attn.qkv'."
         )
     return plans[0]

@@ -99,7 +99,7 @@ def _read_outside(candidates: dict[str, nn.Module], record: SetupRecord) -> set[
 def _candidates(root: nn.Module, blocks: BlockList, exclude: Collection[str]) -> dict[str, nn.Module]:
     """Plain ``nn.Embedding`` / ``nn.Linear`` modules outside the blocks (a subclass with its own forward may use
     its weight in ways the styles do not shard)."""
-    inside = {id(m) for m in blocks.container.modules()}
+    inside = {id(m) for m in blocks.modules()}
     plain = {nn.Embedding: nn.Embedding.forward, nn.Linear: nn.Linear.forward}
     return {name: module for name, module in root.named_modules()
             if id(module) not in inside and name not in exclude

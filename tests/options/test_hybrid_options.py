@@ -97,6 +97,28 @@ def test_block_list_is_found_by_structure_not_name() -> None:
     assert find_block_list(nested)[0] == "transformer.h"
 
 
+class _Composite(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+
+
+def test_a_dict_of_unlike_parts_is_not_a_block_list_and_every_list_of_composite_blocks_joins_the_trunk() -> None:
+    litgpt_like = nn.Module()  # litgpt's GPT: transformer = ModuleDict(wte=..., h=ModuleList(...), ln_f=...)
+    litgpt_like.transformer = nn.ModuleDict(dict(wte=nn.Embedding(8, 4), h=nn.ModuleList(_Composite(4) for _ in range(2)),
+                                                  ln_f=nn.LayerNorm(4)))
+    assert find_block_list(litgpt_like)[0] == "transformer.h"
+    encoder_decoder = nn.Module()
+    encoder_decoder.encoder = nn.ModuleList(_Composite(4) for _ in range(2))
+    encoder_decoder.decoder = nn.ModuleList(_Composite(6) for _ in range(3))
+    path, blocks = find_block_list(encoder_decoder)
+    assert path == "encoder,decoder" and len(blocks) == 5
+    assert [blocks.name(i) for i in (0, 1, 2, 4)] == ["encoder.0", "encoder.1", "decoder.0", "decoder.2"]
+    assert blocks[3] is encoder_decoder.decoder[1]
+    assert blocks.contains_name("decoder.1.inner.weight") and not blocks.contains_name("decoders.1")
+    assert find_block_list(encoder_decoder, "decoder, encoder")[1].name(0) == "decoder.0"
+
+
 def test_block_list_errors_say_how_to_name_it() -> None:
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"no nn.ModuleList/nn.Sequential/nn.ModuleDict holds two or more blocks.*"
@@ -104,7 +126,7 @@ def test_block_list_errors_say_how_to_name_it() -> None:
         find_block_list(flat)
     with pytest.raises(ValueError, match=r"blocks='model.trunk'\).*has no submodule"):
         find_block_list(build_module("gpt"), "model.trunk")
-    with pytest.raises(ValueError, match=r"must name a non-empty nn.ModuleList, nn.Sequential or nn.ModuleDict, got LayerNorm"):
+    with pytest.raises(ValueError, match=r"must name non-empty nn.ModuleList, nn.Sequential or nn.ModuleDict containers.*got LayerNorm"):
         find_block_list(build_module("gpt"), "model.ln_f")
 
 

@@ -165,3 +165,14 @@ def test_stand_ins_answer_from_the_trace_when_a_block_is_handed_an_object():
     assert stand_in.shape == (2, 16, 32) and not stand_in.any()
     with pytest.raises(RuntimeError, match=r"meta-device copy could not compute it .*BF16"):
         dispatcher.call(index, None, (args[0][:1],), {**kwargs, "attention_mask": None})
+
+
+def test_a_block_module_called_from_outside_is_held_where_it_is_called_and_its_weights_shared() -> None:
+    from tests.probe.test_record import OutsideCall
+
+    model = OutsideCall()
+    path, blocks = find_block_list(model)
+    record = record_step(model, blocks, lambda: model(torch.randn(2, 8)))
+    split = plan_split(model, path, blocks, record, 2, [2, 1])
+    assert split.held_inside == {"blocks.0.up": (1,)}  # blocks.1.down is called before the trunk, on its own stage 0
+    assert split.parameter_stages["blocks.0.up.weight"] == (0, 1) and "blocks.1.down.weight" not in split.parameter_stages

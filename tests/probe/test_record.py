@@ -137,3 +137,25 @@ def test_a_meta_device_model_is_recorded_on_the_meta_device(meta: bool) -> None:
     record = _record(model, tokens)
     assert first_block_call(record)[0][0].is_meta == meta
     assert record.block_flops[0] == 2 * (2 * 6 * 8 * 16) * 2
+
+
+class OutsideCall(nn.Module):
+    """Calls a module of its first block again after the trunk, as diffusers' DiT calls
+    ``transformer_blocks[0].norm1.emb``; the block's own calls of it do not count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Dense(), Dense(), Dense()])
+
+    def forward(self, x: Tensor) -> Tensor:
+        before = self.blocks[1].down(torch.zeros(2, 16))
+        for block in self.blocks:
+            x = block(x)
+        return x + self.blocks[0].up(x).sum() + before.sum()
+
+
+def test_modules_of_a_block_called_from_outside_it_are_recorded_with_their_phases() -> None:
+    model = OutsideCall()
+    _, blocks = find_block_list(model)
+    record = record_step(model, blocks, lambda: model(torch.randn(2, 8)))
+    assert record.block_module_calls == {"blocks.0.up": {AFTER}, "blocks.1.down": {BEFORE}}

@@ -288,9 +288,9 @@ def test_plan_entries_inside_blocks_must_cover_every_block() -> None:
     from lightning_hybrid.tensor_parallel.block_plan import _per_block_overrides
 
     overrides = {"blocks.0.attn.qkv": "replicate", "blocks.1.attn.qkv": "replicate", "head": "colwise"}
-    assert _per_block_overrides(overrides, "blocks", ("0", "1")) == {"attn.qkv": "replicate"}
+    assert _per_block_overrides(overrides, ("blocks.0", "blocks.1")) == {"attn.qkv": "replicate"}
     with pytest.raises(ValueError, match=r"must treat every block of one structure alike.*'blocks\.\*\.attn\.qkv'"):
-        _per_block_overrides({"blocks.1.attn.qkv": "replicate"}, "blocks", ("0", "1"))
+        _per_block_overrides({"blocks.1.attn.qkv": "replicate"}, ("blocks.0", "blocks.1"))
 
 
 def test_key_value_heads_fewer_than_ranks_are_shared_by_the_ranks_of_their_query_heads() -> None:

@@ -1,0 +1,22 @@
+"""A pipeline that would train to wrong numbers is stopped at setup: the first batch's pipelined step against the
+unsplit step (:mod:`lightning_hybrid.pipeline.verify`). The families whose values skip stages and train right
+(two block lists with a conditioning vector, an encoder-decoder) are in the zoo (``tests/test_zoo.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import SHORT_RUN, ScriptError, run_script
+
+
+@pytest.mark.slow
+def test_a_value_no_block_is_handed_stops_the_pipeline_at_setup_naming_the_stage(tmp_path: Path) -> None:
+    # The first block's output is added to the last one's after the trunk: the last stage only has a stand-in.
+    with pytest.raises(ScriptError) as raised:
+        run_script(["--model", "early_exit_sum", "--pp", 2, "--devices", 2, *SHORT_RUN, "--out", tmp_path / "run.pt"])
+    message = str(raised.value)
+    assert "PipelineMismatch" in message and "verification" in message
+    assert "differs from the unsplit step on stage 1 ('model.blocks.2' .. 'model.blocks.3')" in message
+    assert "[equivalence] training starts" not in message  # before any step
