@@ -5,8 +5,9 @@ A save copies this rank's shards to host memory (DCP's staging, pinned on CUDA d
 it safe for training to change the parameters right after) and returns; a background thread then writes them into
 ``<name>.partial`` with ``torch.distributed.checkpoint.async_save`` over a gloo group of its own, so its
 collectives never interleave with training's. DCP's coordinator (rank 0) finishes only after gathering every
-rank's write results, so when rank 0's write completes every shard is on disk: only then does rank 0 write
-Lightning's metadata file and rename the folder to its final name (the same atomic publish as a synchronous save).
+rank's write results, so when rank 0's write completes every shard is on disk: only then does rank 0 record the
+files' checksums, write Lightning's metadata file with them and rename the folder to its final name (the same atomic
+publish as a synchronous save).
 A crash mid-write leaves only ``<name>.partial``, which neither a path nor ``ckpt_path="last"`` resolves to.
 
 At most one save is in flight: the next save, the removal of the checkpoint being written, the next
@@ -43,7 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lightning_hybrid._compat import lightning_metadata_path
-from lightning_hybrid.checkpoint.integrity import record_all_checksums
+from lightning_hybrid.checkpoint.integrity import CHECKSUMS_KEY, all_checksums
 from lightning_hybrid.checkpoint.dcp_io import checkpointable, publish_checkpoint
 from lightning_hybrid.options.hybrid_options import HybridOptions
 
@@ -148,12 +149,19 @@ class _PendingSave:
         try:
             written.result()
             if metadata is not None:
-                lightning_metadata_path(self.partial).write_bytes(metadata)
-                record_all_checksums(self.partial)
+                _write_metadata(self.partial, metadata)
                 publish_checkpoint(self.partial, self.path)
             self._published.set_result(None)
         except BaseException as error:
             self._published.set_exception(error)
+
+
+def _write_metadata(folder: Path, serialized: bytes) -> None:
+    """Lightning's metadata as serialized when the save started (what it held then) with the records of every
+    written file, which exist only now: unpickled again (a private copy) to add them, so ``meta.pt`` is written once."""
+    metadata = torch.load(io.BytesIO(serialized), weights_only=False)  # bytes this process pickled
+    metadata[CHECKSUMS_KEY] = all_checksums(folder)
+    torch.save(metadata, lightning_metadata_path(folder))
 
 
 def _failed(pending: _PendingSave, error: BaseException) -> str:

@@ -8,8 +8,8 @@ knowledge of the layout that wrote it: every chunk is read into one full tensor 
 Two outputs:
 
 * a Lightning checkpoint file (``torch.save``): ``meta.pt``'s entries (epoch, global step, hyperparameters, …)
-  plus ``state_dict``, without optimizer state, so ``MyModule.load_from_checkpoint(path)`` restores the model on
-  one device for inference or fine-tuning;
+  but the sharded files' checksums, plus ``state_dict``, without optimizer state, so
+  ``MyModule.load_from_checkpoint(path)`` restores the model on one device for inference or fine-tuning;
 * ``safetensors=True``: the bare state dict as a ``.safetensors`` file (the LightningModule's parameter names).
 
 Example::
@@ -32,6 +32,7 @@ import torch
 
 from lightning_hybrid._compat import lightning_metadata_path, read_dcp_in_one_process
 from lightning_hybrid.checkpoint.dcp_io import MODULE_STATE_KEY
+from lightning_hybrid.checkpoint.integrity import CHECKSUMS_KEY
 
 
 def require_sharded_checkpoint(checkpoint: Union[str, os.PathLike]) -> Path:
@@ -68,6 +69,7 @@ def export_checkpoint(
         else:
             lightning_state = torch.load(lightning_metadata_path(Path(checkpoint)), map_location="cpu",
                                          weights_only=False)
+            lightning_state.pop(CHECKSUMS_KEY, None)  # records of the sharded folder's files, not of this file
             lightning_state[MODULE_STATE_KEY] = state_dict
             torch.save(lightning_state, partial_path)
         os.replace(partial_path, output)

@@ -5,8 +5,9 @@ the module's parameters (``state_dict``) and each optimizer's state (``optimizer
 file with everything else (epoch, loops, callbacks, hyperparameters). Tensors are stored under the unmodified
 module's names and global shapes, so it loads under any other layout. It is written under ``<name>.partial`` and
 renamed when complete: a crash mid-save leaves only the partial folder, which neither a path nor
-``ckpt_path="last"`` (ModelCheckpoint's ``last*.ckpt``) ever resolves to. The files' sizes and checksums are
-recorded in it and checked before a load (``checkpoint/integrity.py``).
+``ckpt_path="last"`` (ModelCheckpoint's ``last*.ckpt``) ever resolves to. The shards' sizes and checksums are
+recorded in Lightning's metadata file and checked before a load (``checkpoint/integrity.py``); the folder holds
+Lightning's files and no other.
 
 Example::
 
@@ -34,10 +35,11 @@ from torch.optim import Optimizer
 
 from lightning_hybrid._compat import lightning_metadata_path
 from lightning_hybrid.checkpoint.integrity import (
+    CHECKSUMS_KEY,
     DamagedCheckpointError,
     damaged_files,
     damaged_message,
-    record_checksums,
+    gather_checksums,
     resume_hint,
 )
 from lightning_hybrid.checkpoint.dcp_io import (
@@ -83,10 +85,10 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path, global_rank: int, ba
         saves.start(shards, partial, path, checkpoint if global_rank == 0 else None)
         return
     save_sharded(shards, partial)  # returns once every rank's shard and the DCP metadata are written
+    records = gather_checksums(partial, global_rank)
     if global_rank == 0:
-        torch.save(checkpoint, lightning_metadata_path(partial))
-    record_checksums(partial, global_rank)
-    if global_rank == 0:
+        # Lightning's metadata file, written last, carries the records: no file of our own in Lightning's folder.
+        torch.save({**checkpoint, CHECKSUMS_KEY: records}, lightning_metadata_path(partial))
         publish_checkpoint(partial, path)
     barrier()
 
@@ -101,11 +103,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizers: Sequence[Optimizer
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     try:
         if path.is_dir():
-            damaged = damaged_files(path)
+            metadata = torch.load(lightning_metadata_path(path), weights_only=weights_only)
+            damaged = damaged_files(path, metadata)
             if damaged:
                 raise DamagedCheckpointError(damaged_message(path, damaged))
             _load_sharded(path, model, optimizers, strict)
-            return torch.load(lightning_metadata_path(path), weights_only=weights_only)
+            metadata.pop(CHECKSUMS_KEY, None)  # ours: Lightning gets its dict as it saved it
+            return metadata
         # Memory-mapped: every rank reads only the slices it keeps, not a private copy of the whole file.
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         load_full(model, list(optimizers), checkpoint, strict=strict, path=path)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.checkpoint.async_save import AsyncSaves, wait_if_writing
 from lightning_hybrid.checkpoint.export import load_module_state
+from lightning_hybrid.checkpoint.integrity import CHECKSUMS_KEY, file_record
 from lightning_hybrid.checkpoint.dcp_io import partial_checkpoint_path
 from tests.helpers import ScriptError, run_script, run_sweep
 from tests.observe.test_counting import one_rank_group  # noqa: F401  (the fixture)
@@ -77,7 +78,11 @@ def test_a_save_returns_before_its_write_and_publishes_what_the_tensors_held(
     held_writes.release()
     saves.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt"]
-    assert torch.load(path / "meta.pt")["epoch"] == 3
+    # Lightning's files only: the records of the files written in the background are inside meta.pt.
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+    metadata = torch.load(path / "meta.pt")
+    assert metadata["epoch"] == 3
+    assert metadata[CHECKSUMS_KEY] == {name: file_record(path / name) for name in (".metadata", "__0_0.distcp")}
     assert torch.equal(load_module_state(path)["weight"], torch.arange(6.0))
 
 
@@ -137,6 +142,8 @@ ASYNC = ["--strategy-kwargs", '{"async_checkpoint": true}']
 #: Every write starts this late, so training steps run while an asynchronous save writes.
 SLOW_WRITE_S = 1.0
 CHECKPOINTS = ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=10.ckpt", "last.ckpt"]
+#: The files of each two-rank checkpoint folder, sorted: DCP's metadata, one shard per rank, Lightning's meta.pt.
+LIGHTNING_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +182,9 @@ def test_async_saves_write_what_sync_saves_write_while_training_goes_on(async_an
         assert _same(saved["async"], saved["sync"]), name
         meta = {kind: torch.load(folder / kind / name / "meta.pt", weights_only=False) for kind in ("async", "sync")}
         assert meta["async"]["global_step"] == meta["sync"]["global_step"]
+        for kind in ("async", "sync"):  # Lightning's files only; the records in meta.pt match what was written
+            assert sorted(p.name for p in (folder / kind / name).iterdir()) == LIGHTNING_FILES, (kind, name)
+            assert meta[kind][CHECKSUMS_KEY] == {n: file_record(folder / kind / name / n) for n in LIGHTNING_FILES[:3]}
         assert meta["async"]["loops"] == meta["sync"]["loops"]
     # rank 0's seconds inside save_checkpoint: a synchronous save waits for its write, an asynchronous one returns
     # after copying the shards unless the previous write is still going (last.ckpt right after an epoch's

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from lightning_hybrid.checkpoint.export import export_checkpoint
+from lightning_hybrid.checkpoint.integrity import CHECKSUMS_KEY, file_record
 from tests.helpers import run_package_command
 from tests.models import build_module
 
@@ -27,7 +28,8 @@ def _sharded_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
     optimizer.step()
     dcp.save({"state_dict": module.state_dict(), "optimizer_0": optimizer.state_dict()}, checkpoint_id=folder)
     meta = {"epoch": 1, "global_step": 7, "hyper_parameters": dict(module.hparams),
-            "pytorch-lightning_version": lightning.__version__}
+            "pytorch-lightning_version": lightning.__version__,
+            CHECKSUMS_KEY: {".metadata": file_record(folder / ".metadata")}}
     torch.save(meta, folder / "meta.pt")
     return {name: tensor.clone() for name, tensor in module.state_dict().items()}
 
@@ -37,6 +39,7 @@ def test_export_restores_the_plain_module(tmp_path: Path) -> None:
     path = export_checkpoint(tmp_path / "sharded.ckpt", tmp_path / "export" / "model.ckpt")
     exported = torch.load(path, weights_only=False)
     assert exported["global_step"] == 7 and "optimizer_0" not in exported
+    assert CHECKSUMS_KEY not in exported  # the sharded folder's records describe no file of the export
     restored = type(build_module("llama")).load_from_checkpoint(path)
     for name, tensor in expected.items():
         assert torch.equal(restored.state_dict()[name], tensor), name
