@@ -47,7 +47,7 @@ from lightning_hybrid.options.keywords import keyword_options, options_from
 from lightning_hybrid.options.recompute import CheckpointPlan
 from lightning_hybrid.options.schedules import PipelineSchedule
 from lightning_hybrid.parallel.fsdp import buffers_to_device
-from lightning_hybrid.parallel.parallelize import accept_user_parallelism, find_blocks, parallelize, recording_construction
+from lightning_hybrid.parallel.parallelize import AppliedPlan, accept_user_parallelism, find_blocks, parallelize, recording_construction
 from lightning_hybrid.pipeline.metric_calls import sync_over
 from lightning_hybrid.pipeline.runtime import Pipeline
 from lightning_hybrid.planner.auto_layout import adopt_layout, choose_for_run
@@ -110,8 +110,8 @@ class HybridStrategy(ModelParallelStrategy):
         self.data_mesh: Optional[Any] = None
         #: This rank's pipeline stages and schedules (``None`` when pp=1); set at setup.
         self.pipeline: Optional[Pipeline] = None
-        #: The tensor-parallel plan applied at setup, ``{module name pattern: style}``.
-        self.tp_plan_applied: dict[str, str] = {}
+        #: The tensor-parallel plan applied at setup, ``{module pattern: style}``, and its report per block structure.
+        self.tp_plan_applied: AppliedPlan = AppliedPlan()
         #: The cost model's estimate of the layout chosen for tp="auto"/pp="auto", or of the fixed layout when the
         #: monitor predicts (``ParallelMonitor(predict=True)``); ``None`` otherwise or where it cannot estimate.
         self.layout_estimate: Optional[Estimate] = None

@@ -45,7 +45,7 @@ CASES: dict[str, tuple[str, ...]] = {
     "hf_gpt_neox": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "hf_bert": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
     "hf_vit": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
-    "hf_t5_encoder": ("dp2", "pp2", "dp2_pp2"),
+    "hf_t5_encoder": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "mixed_moe": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "hf_qwen2_mqa": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
 }
@@ -167,10 +167,12 @@ def test_blocks_in_a_module_dict_are_found_by_structure() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the README's table
-#: Family × layout → what stops it before training (and the message that says so), for layouts not supported.
-REFUSED: dict[tuple[str, str], tuple[str, str]] = {
-    (model, layout): ("a per-head position bias shared across blocks", r"cannot shard Embedding"
-                      r" 'layer\.0\.SelfAttention\.relative_attention_bias'.*tp_plan=")
+#: Family × layout → what tensor parallelism keeps whole on every tp rank there (the README's note; the first
+#: block's modules the report names) and the refusal ``tp_strict=True`` gives instead.
+KEPT_WHOLE: dict[tuple[str, str], tuple[str, tuple[str, ...], str]] = {
+    (model, layout): ("block 0's position bias and attention kept whole over tp",
+                      ("layer.0.SelfAttention.relative_attention_bias",),
+                      r"cannot shard Embedding 'layer\.0\.SelfAttention\.relative_attention_bias'.*tp_plan=")
     for model in ("hf_t5_encoder",) for layout in ("tp2", "tp2_pp2", "dp2_tp2_pp2")
 }
 #: How each family is described in the README.
@@ -194,13 +196,13 @@ DESCRIPTIONS = {
 
 
 def readme_models_table() -> str:
-    """The README's "Tested models" table: ✓ = trains like single-process Lightning (tests above), a phrase =
-    stops before training with a message naming the module and what to pass, – = not run."""
+    """The README's "Tested models" table: ✓ = trains like single-process Lightning (tests above), with a phrase
+    saying what tensor parallelism keeps whole there, – = not run."""
     header = "| model | " + " | ".join(LAYOUTS) + " |"
     lines = [header, "|" + " --- |" * (len(LAYOUTS) + 1)]
     for model, layouts in CASES.items():
-        cells = ["✓" if layout in layouts else f"clear error ({REFUSED[(model, layout)][0]})"
-                 if (model, layout) in REFUSED else "–" for layout in LAYOUTS]
+        cells = [("✓" + (f" ({KEPT_WHOLE[(model, layout)][0]})" if (model, layout) in KEPT_WHOLE else ""))
+                 if layout in layouts else "–" for layout in LAYOUTS]
         lines.append(f"| {DESCRIPTIONS[model]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -210,8 +212,8 @@ def test_the_readme_table_is_the_zoo() -> None:
     assert readme_models_table() in readme, "regenerate it: python -c 'from tests.test_zoo import *; print(readme_models_table())'"
 
 
-@pytest.mark.parametrize(("model", "layout"), list(REFUSED))
-def test_unsupported_combinations_stop_with_a_message_naming_the_module(model: str, layout: str) -> None:
+@pytest.mark.parametrize(("model", "layout"), list(KEPT_WHOLE))
+def test_what_tp_keeps_whole_is_what_tp_strict_refuses(model: str, layout: str) -> None:
     import torch
 
     from lightning_hybrid.probe.blocks import find_block_list
@@ -223,5 +225,14 @@ def test_unsupported_combinations_stop_with_a_message_naming_the_module(model: s
     _, blocks = find_block_list(module)
     tokens = torch.randint(0, 64, (2, 16))
     args, kwargs = record_step(module, blocks, lambda: module(tokens)).block_calls[0]
-    with pytest.raises(ValueError, match=REFUSED[(model, layout)][1]):
+    with pytest.raises(ValueError, match=KEPT_WHOLE[(model, layout)][2]):
         plan_block(blocks[0], trace_block(blocks[0], args, kwargs), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "layout"), [
+    pytest.param(model, layout, marks=[pytest.mark.extended] if layout in EXTENDED_LAYOUTS else [])
+    for model, layout in KEPT_WHOLE])
+def test_what_tp_keeps_whole_is_reported(model: str, layout: str, zoo_runs) -> None:
+    first = zoo_runs(layout)[model]["tp_plan"].structures[0]
+    assert first.kept_whole[0].modules == KEPT_WHOLE[(model, layout)][1] and first.extra_bytes > 0

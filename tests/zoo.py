@@ -235,6 +235,49 @@ class FusedGQALM(nn.Module):
         return self.head(self.norm(x))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Parts tensor parallelism cannot shard: a position table inside each block, a head count tp=2 does not divide
+# ----------------------------------------------------------------------------------------------------------------
+class PositionTable(nn.Module):
+    """A learned position table each block adds to its input: a 2-D parameter in no linear layer."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(0.02 * torch.randn(SEQ, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.table[: x.shape[1]]
+
+
+class OddPartsBlock(PlainBlock):
+    """:class:`PlainBlock` (3 heads of 8 at width 24) after a :class:`PositionTable`."""
+
+    def __init__(self, config: SmallConfig) -> None:
+        super().__init__(config)
+        self.pos = PositionTable(config.dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(self.pos(x))
+
+
+class OddPartsLM(nn.Module):
+    """Tensor parallelism at tp=2 keeps each block's position table and attention whole and shards its MLP, the
+    embedding and the head (``tests/tensor_parallel/test_fallback.py``)."""
+
+    def __init__(self, config: SmallConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, config.dim)
+        self.blocks = nn.ModuleList(OddPartsBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.dim)
+        self.head = nn.Linear(config.dim, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 def _flow(name: str) -> Callable[[dict[str, Any]], nn.Module]:
     def build(config: dict[str, Any]) -> nn.Module:
         from tests import zoo_flow  # data-flow mechanisms: two block lists, values that skip stages
@@ -277,6 +320,8 @@ ZOO: dict[str, ZooEntry] = {
     "encoder_decoder": ZooEntry(_flow("EncoderDecoderLM"), "n_layers"),
     # not trained by the zoo: a step the pipeline cannot split right, for the setup verification to stop
     "early_exit_sum": ZooEntry(_flow("EarlyExitSumLM"), "n_layers"),
+    "odd_parts": ZooEntry(lambda config: OddPartsLM(SmallConfig(**{"dim": 24, "n_heads": 3, "n_layers": 2,
+                                                                   **config})), "n_layers"),
     # the same family in another configuration: other width and head count, one key/value head, untied head
     "hf_qwen2_mqa": ZooEntry(lambda config: hf.hugging_face_qwen2(
         {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 1, "tie_word_embeddings": False,

@@ -7,7 +7,8 @@ same texts as hyperparameters with string values):
 
 * ``run/layout``: dp (sharded), dp_replicate, tp, pp, world size, ZeRO level, schedule, microbatches, virtual
   stages, activation checkpointing and precision, also logged as hyperparameters ``layout/...`` (the "HParams" tab);
-* ``run/tp_plan``: the tensor-parallel plan applied, module pattern → style;
+* ``run/tp_plan``: the tensor-parallel plan applied, module pattern → style, and per block structure the share of
+  its parameters tp shards, the modules kept whole on every tp rank and why, and the memory that costs per tp rank;
 * ``run/stages``: per pipeline stage its blocks, its parameters and what one of its ranks holds (the whole-model
   summary's counts, :mod:`lightning_hybrid.observe.parameter_counts`);
 * with ``ParallelMonitor(predict=True)`` (the default) ``plan/prediction`` (text) and the scalars
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
@@ -40,6 +41,7 @@ from lightning_hybrid.probe.step_probe import StepProbe
 from lightning_hybrid.planner.auto_layout import estimate_for_run
 from lightning_hybrid.hardware import GIB
 from lightning_hybrid.planner.layout import Estimate
+from lightning_hybrid.tensor_parallel.fallback import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +128,22 @@ def layout_figures(trainer: pl.Trainer) -> dict[str, Any]:
     return figures
 
 
-def tp_plan_text(plan: dict[str, str], tp: int) -> str:
+def tp_plan_text(plan: Mapping[str, str], tp: int) -> str:
+    """The ``run/tp_plan`` text: module pattern → style, then (for an
+    :class:`~lightning_hybrid.tensor_parallel.fallback.AppliedPlan`) per block structure the share of its
+    parameters tp shards, what stays whole on every tp rank and why, and what that costs each tp rank."""
     if not plan:
         return f"no tensor-parallel plan (tp={tp})"
-    return markdown_table(("module", "style"), [(f"`{name}`", style) for name, style in sorted(plan.items())])
+    text = markdown_table(("module", "style"), [(f"`{name}`", style) for name, style in sorted(plan.items())])
+    structures = getattr(plan, "structures", [])
+    if structures:
+        rows = [(f"`{s.blocks}`", f"{s.count} × {s.block_class}", f"{s.parameters:,}", f"{s.fraction:.1%}",
+                 s.kept_text(), format_bytes(s.extra_bytes)) for s in structures]
+        text += "\n\n" + markdown_table(("block structure", "blocks", "parameters", "sharded by tp",
+                                          "kept whole on every tp rank (why)", "extra memory per tp rank"), rows)
+    if getattr(plan, "vocab", ""):
+        text += f"\n\nThe embedding and/or the head stay whole on every tp rank: {plan.vocab}."
+    return text
 
 
 def stages_text(summary: WholeModelSummary, trainer: pl.Trainer) -> str:

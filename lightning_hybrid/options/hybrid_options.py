@@ -101,6 +101,15 @@ class HybridOptions:
             every gradient, dropout off) and refuse a pipeline whose numbers differ, or a step that microbatching
             changes (BatchNorm, a loss coupling a batch's samples); costs one extra step with the whole model on
             each rank at setup. Not done for a model on the meta device.
+        tp_strict: Where tensor parallelism cannot shard part of a block correctly (a matrix parameter in no linear
+            layer the planner recognizes, a head count or width tp does not divide, a sharding the plan check finds
+            changes the block's output), ``False`` (default) keeps those modules whole on every tp rank — as
+            ``tp_plan={...: "replicate"}`` does — or, where the check fails for the plan as a whole, the whole block
+            structure, and trains; the share of each block structure's parameters tp shards, what stays whole and
+            why, and the memory that costs per tp rank are logged at setup, written as TensorBoard text
+            ``run/tp_plan`` and kept in ``HybridStrategy.tp_plan_applied.structures``. ``True`` refuses at setup
+            instead, naming the module and the ``tp_plan`` entry that keeps it whole. A failing style the user's
+            own ``tp_plan`` gives is refused either way. See :mod:`lightning_hybrid.tensor_parallel.fallback`.
         save_distributed_checkpoint: One DCP shard per rank (``True``) or one consolidated file on rank 0.
         cluster: The hardware an ``"auto"`` layout is planned for (a :class:`~lightning_hybrid.Cluster`
             whose nodes × GPUs per node match the Trainer's); by default GPUs are recognised by name and CPUs probed.
@@ -153,6 +162,7 @@ class HybridOptions:
     offload: bool = False
     verify_tp_plan: bool = True
     verify_pipeline: bool = True
+    tp_strict: bool = False
     save_distributed_checkpoint: bool = True
     cluster: Optional[Cluster] = None
     weights: Optional[Union[str, os.PathLike]] = None
@@ -192,6 +202,9 @@ class HybridOptions:
         if not isinstance(self.shard_vocab, bool):
             raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
                              " embedding and head over the vocabulary under tp) or False (keep them whole).")
+        if not isinstance(self.tp_strict, bool):
+            raise ValueError(f"HybridStrategy(tp_strict={self.tp_strict!r}) is invalid: pass False (keep whole on every"
+                             " tp rank what tensor parallelism cannot shard) or True (refuse at setup).")
         check_loss_parallel(self.loss_parallel, self.tp, self.pp, self.shard_vocab)
         check_async_checkpoint(self.async_checkpoint, self.save_distributed_checkpoint)
         if self.check_replicas_every_n_steps is not None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.checkpoint.hf_load import load_pretrained, loaded_names
-from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, TENSOR, ParallelDims
+from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims
 from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.options.recompute import CheckpointPlan
 from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -64,6 +64,7 @@ from lightning_hybrid.parallel.initialization import materialize_meta_module
 from lightning_hybrid.tensor_parallel.loss_parallel import require_sharded_head
 from lightning_hybrid.parallel.fsdp import FSDPOptions, apply_fsdp, mixed_precision_policy
 from lightning_hybrid.tensor_parallel.apply import apply_tensor_parallel
+from lightning_hybrid.tensor_parallel.fallback import AppliedPlan
 from lightning_hybrid.tensor_parallel.vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
 from lightning_hybrid.pipeline.runtime import Pipeline, build_pipeline
 from lightning_hybrid.pipeline.verify import LOW_PRECISION_TOLERANCE, TOLERANCE, check_pipeline
@@ -72,10 +73,10 @@ from lightning_hybrid.options.schedules import PipelineSchedule
 @dataclass
 class Parallelized:
     """What :func:`parallelize` did: this rank's pipeline (``None`` when pp = 1), the tensor-parallel plan applied
-    (``{module pattern: style}``) and whether FSDP2 sharded the model."""
+    (``{module pattern: style}``, with its report per block structure) and whether FSDP2 sharded the model."""
 
     pipeline: Optional[Pipeline] = None
-    tp_plan: dict[str, str] = field(default_factory=dict)
+    tp_plan: AppliedPlan = field(default_factory=AppliedPlan)
     sharded: bool = False
 
 
@@ -99,12 +100,8 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         owned = result.pipeline.owned_blocks
     # 2. tensor parallelism
     if dims.tp > 1 or options.tp_plan:
-        tp_plan = {**held_modules_whole(module, result.pipeline), **options.tp_plan}
-        result.tp_plan = apply_tensor_parallel(module, blocks_path, blocks, probe.record().block_calls, mesh[TENSOR],
-                                               tp_plan=tp_plan, verify=options.verify_tp_plan, apply_to=owned)
-        if vocab:
-            result.tp_plan.update(shard_vocab_layers(module, vocab, mesh[TENSOR], options.loss_parallel))
-        rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={dims.tp}): {result.tp_plan}")
+        result.tp_plan = apply_tensor_parallelism(module, blocks_path, blocks, mesh, dims, options, probe, vocab,
+                                                  owned, held_modules_whole(module, result.pipeline))
     # 3. activation checkpointing
     if options.checkpointing is not None:
         apply_checkpointing(blocks, owned, options.checkpointing)
@@ -153,6 +150,30 @@ def held_modules_whole(module: nn.Module, pipeline: Optional[Pipeline]) -> dict[
             if any(True for _ in inner.parameters(recurse=False)):
                 entries[f"{pattern}.{relative}" if relative else pattern] = "replicate"
     return entries
+
+
+def apply_tensor_parallelism(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh,
+                             dims: ParallelDims, options: HybridOptions, probe: StepProbe,
+                             vocab: Optional[VocabLayers], owned: Sequence[int],
+                             implied: Mapping[str, str]) -> AppliedPlan:
+    """Step 2: the blocks ``owned`` (this rank's) sharded by their plans, what the planner refuses kept whole
+    (``tp_strict=True``: refused), the embedding and head by ``vocab``; the plan and its report per block structure
+    (every stage's, gathered over the pipeline) logged once on rank 0. ``implied``: entries the layout itself
+    needs (:func:`held_modules_whole`), under the user's ``tp_plan``."""
+    applied = apply_tensor_parallel(module, blocks_path, blocks, probe.record().block_calls, mesh[TENSOR],
+                                    tp_plan={**implied, **options.tp_plan}, verify=options.verify_tp_plan, apply_to=owned,
+                                    strict=options.tp_strict)
+    if vocab:
+        applied.styles.update(shard_vocab_layers(module, vocab, mesh[TENSOR], options.loss_parallel))
+        applied.vocab = vocab.reason
+    if dims.pp > 1:  # a stage reports only the structures it holds: every stage's, so rank 0 tells them all
+        stages: list[Any] = [None] * dims.pp
+        dist.all_gather_object(stages, applied, group=mesh[PIPELINE].get_group())
+        applied = applied.merged(stages)
+    rank_zero_info(f"HybridStrategy: tensor-parallel plan (tp={dims.tp}): {dict(applied)}")
+    for structure in applied.structures:
+        rank_zero_info(f"HybridStrategy: {structure.describe(dims.tp)}")
+    return applied
 
 
 def find_vocab(module: nn.Module, blocks: BlockList, dims: ParallelDims, options: HybridOptions,

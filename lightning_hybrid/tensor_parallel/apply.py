@@ -3,20 +3,23 @@ block unsharded and sharded, then applied to every block with DTensor's ``parall
 
 :func:`plan_tensor_parallel` plans on the first block's captured call and, with ``verify``, keeps for every pair
 group the first candidate sharding whose block output matches the unsharded block, then checks the whole plan; a
-plan no candidate satisfies stops setup with the layers to keep whole. :func:`apply_tensor_parallel` applies it.
+plan no candidate satisfies is refused (:class:`~lightning_hybrid.tensor_parallel.refusal.PlanCheckFailed`) naming
+the layers to keep whole. :func:`apply_tensor_parallel` applies the plan, keeping whole on every tp rank what the
+planner refused (:mod:`lightning_hybrid.tensor_parallel.fallback`; ``strict=True`` raises the refusal instead).
 
 Example::
 
     calls = probe.record().block_calls
     plan = apply_tensor_parallel(module, "model.blocks", blocks, calls, mesh["tp"], tp_plan={}, verify=True)
-    plan       # {"model.blocks.*.attn.qkv": "colwise (strided x3)", "model.blocks.*.attn.proj": "rowwise", ...}
+    dict(plan)       # {"model.blocks.*.attn.qkv": "colwise (strided x3)", "model.blocks.*.attn.proj": "rowwise", ...}
+    plan.structures  # [StructureReport(blocks="model.blocks.*", ..., sharded=..., kept_whole=())]
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,7 @@ from lightning_hybrid.probe.blocks import BlockList, block_structures
 from lightning_hybrid.probe.record import BlockCall, block_call
 from lightning_hybrid.tensor_parallel.dataflow import trace_block
 from lightning_hybrid.tensor_parallel.experts import shard_experts
+from lightning_hybrid.tensor_parallel.fallback import AppliedPlan, plan_keeping_whole, structure_label, structure_report
 from lightning_hybrid.tensor_parallel.layers import select_rows, shard_column, shard_row
 from lightning_hybrid.tensor_parallel.block_plan import (
     BlockPlan,
@@ -41,6 +45,7 @@ from lightning_hybrid.tensor_parallel.block_plan import (
     plan_block,
     resolve_overrides,
 )
+from lightning_hybrid.tensor_parallel.refusal import PlanCheckFailed
 
 log = logging.getLogger(__name__)
 
@@ -113,24 +118,28 @@ def apply_tensor_parallel(
     tp_plan: Mapping[str, PlanEntry],
     verify: bool,
     apply_to: Optional[Sequence[int]] = None,
-) -> dict[str, str]:
+    strict: bool = False,
+) -> AppliedPlan:
     """Plan tensor parallelism once per block structure (blocks that differ — dense and mixture-of-experts
     layers, a first block owning a shared module — get a plan each, on their first block's call in
-    ``block_calls``, the setup probe's record), check it, apply it to every block (or to the blocks ``apply_to`` indexes, this rank's
-    pipeline stages) and to ``tp_plan``'s other entries. Returns the applied plan as ``{module name pattern:
-    style}``."""
+    ``block_calls``, the setup probe's record), check it, apply it to every block (or to the blocks ``apply_to``
+    indexes, this rank's pipeline stages) and to ``tp_plan``'s other entries. What the planner refuses stays whole
+    on every tp rank (:mod:`lightning_hybrid.tensor_parallel.fallback`); with ``strict`` the refusal is raised.
+    Returns the applied plan: ``{module name pattern: style}`` and the report per block structure."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
     outside = {name: entry for name, entry in overrides.items() if not blocks.contains_name(name)}
     structures = block_structures(blocks)
-    described: dict[str, str] = {}
+    applied = AppliedPlan()
     for indices in structures:
         targets = [i for i in indices if apply_to is None or i in apply_to]
         if not targets:
             continue  # another pipeline stage's blocks
         call = block_call(block_calls, indices[0])
-        plan = plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
-                                    indices=indices)
-        if not plan.groups and not plan.custom:
+        explicit = block_tp_overrides(root, tp_plan, blocks_path, [blocks.keys[i] for i in indices])
+        plan, kept = plan_keeping_whole(
+            lambda keep: plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
+                                              indices=indices, keep_whole=keep), explicit, strict)
+        if not plan.groups and not plan.custom and not kept:
             log.warning(f"Tensor parallelism found no layers to shard in {type(blocks[indices[0]]).__name__}.")
         for index in targets:
             block = blocks[index]
@@ -138,12 +147,16 @@ def apply_tensor_parallel(
             apply_block_plan(block, plan, mesh)
             block.train(was_training)
         prefixes = [f"{blocks_path}.*"] if len(structures) == 1 and len(blocks.parts) == 1 else [blocks.name(i) for i in indices]
-        described.update({k: v for prefix in prefixes for k, v in plan.describe(prefix).items()})
+        applied.styles.update({k: v for prefix in prefixes for k, v in plan.describe(prefix).items()})
+        keys = [blocks.keys[i] if len(blocks.parts) == 1 else blocks.name(i) for i in indices]
+        label = structure_label(blocks_path, keys, len(structures))
+        applied.structures.append(structure_report(blocks[targets[0]], kept, label, len(indices), mesh.size()))
     for name, entry in outside.items():
         style = style_for(entry)
         if style is not None:
             parallelize_module(root.get_submodule(name), mesh, style)
-    return {**described, **{name: str(entry) for name, entry in outside.items()}}
+    applied.styles.update({name: str(entry) for name, entry in outside.items()})
+    return applied
 
 
 def plan_tensor_parallel(
@@ -156,13 +169,17 @@ def plan_tensor_parallel(
     tp_plan: Mapping[str, PlanEntry],
     verify: bool,
     indices: Optional[Sequence[int]] = None,
+    keep_whole: Collection[str] = (),
 ) -> BlockPlan:
     """The plan for the blocks ``indices`` names (all blocks by default; they must share one structure), from
-    the first one's data flow on ``block_call``; with ``verify``, each pair group's candidates and then the whole
-    plan are checked against the unsharded block on ``mesh`` (collective over it; raises ``RuntimeError`` naming
-    the layers to keep whole if no candidate computes the same)."""
+    the first one's data flow on ``block_call``, leaving the modules ``keep_whole`` names (relative to a block)
+    whole; with ``verify``, each pair group's candidates and then the whole plan are checked against the unsharded
+    block on ``mesh`` (collective over it; raises :class:`PlanCheckFailed` naming the layers to keep whole if no
+    candidate computes the same). What the planner refuses raises a
+    :class:`~lightning_hybrid.tensor_parallel.refusal.PlanRefusal`."""
     indices = list(range(len(blocks))) if indices is None else list(indices)
     in_block = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in indices])
+    in_block.update(dict.fromkeys(keep_whole, "replicate"))
     accelerator_rng = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator_rng):  # planning must not shift the user's random streams
         reference = _reference_copy(blocks[indices[0]], mesh)
@@ -193,13 +210,15 @@ def _settle_group(
     layers = options[0].layers
     fix = ", ".join(f"'{where}.*.{name}': 'replicate'" for name in layers)
     attributes = sorted({f"{path}.{attr}".lstrip(".") for group in options for path, attr in group.scaled_attributes})
-    raise RuntimeError(
+    raise PlanCheckFailed(
         f"Tensor parallel plan check failed for {type(reference).__name__} in '{where}': sharding layers"
         f" {layers} changes the block's output (relative error {min(errors):.2e} in the best of {len(options)}"
         f" candidate layouts; rescaled attributes tried: {attributes or 'none'}). The block's forward probably"
         " derives a shape from something the planner did not adjust (e.g. a head size computed from the input"
         " width) or mixes features across heads. Keep these layers whole with"
-        f" HybridStrategy(tp_plan={{{fix}}}), or give explicit styles for them."
+        f" HybridStrategy(tp_plan={{{fix}}}), or give explicit styles for them.",
+        modules=layers, reason=f"the plan check: sharding them changes the block's output (relative error"
+                               f" {min(errors):.1e})",
     )
 
 
@@ -209,10 +228,12 @@ def _verify_whole_plan(
     error = _plan_error(reference, plan, args, kwargs, mesh)
     if error > tolerance_for(_dtype_of(reference)):
         suspects = [*plan.custom, *(name for group in plan.groups for name in group.layers)]
-        raise RuntimeError(
+        raise PlanCheckFailed(
             f"Tensor parallel plan check failed for {type(reference).__name__} in '{where}': the full plan changes"
             f" the block's output (relative error {error:.2e}) although each pair group passed alone. Suspect"
-            f" layers: {suspects}. Check the explicit tp_plan entries for them."
+            f" layers: {suspects}. Check the explicit tp_plan entries for them.",
+            reason=f"the plan check: the full plan changes the block's output (relative error {error:.1e}) though"
+                   " each pair group passed alone",
         )
 
 

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_hybrid.tensor_parallel.dataflow import BlockTrace, attribute_holders
 from lightning_hybrid.tensor_parallel.experts import ExpertLayout, expert_layouts, holds_expert_stack
 from lightning_hybrid.tensor_parallel.heads import ColumnShard, add_head_ratios, column_options
+from lightning_hybrid.tensor_parallel.refusal import PlanRefusal
 
 PlanEntry = Union[str, ParallelStyle]
 _STYLE_NAMES = ("colwise", "rowwise", "replicate")
@@ -148,10 +149,11 @@ def _expert_candidates(block: nn.Module, trace: BlockTrace, name: str, tp: int) 
                      if any(source.startswith("arg") for source in use.sources)}
     layouts = expert_layouts(module, stream_widths, tp)
     if not layouts:
-        raise ValueError(
+        raise PlanRefusal(
             f"tp={tp} does not divide the experts' hidden width in {type(module).__name__} {name!r} (parameter"
             f" shapes {[tuple(p.shape) for p in module.parameters(recurse=False)]}). Choose a tp that divides it,"
-            f" or pass tp_plan={{'*.{name}': 'replicate'}} to keep the experts whole."
+            f" or pass tp_plan={{'*.{name}': 'replicate'}} to keep the experts whole.",
+            modules=(name,), reason=f"tp={tp} does not divide the experts' hidden width",
         )
     groups: list[Group] = []
     for layout in layouts:
@@ -225,18 +227,20 @@ def _pair_groups(trace: BlockTrace, roles: dict[str, str]) -> Iterator[tuple[lis
 
 
 def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> None:
-    """Matrix-shaped parameters outside the traced linear layers cannot be sharded automatically: ask the user
-    what to do."""
+    """Matrix-shaped parameters outside the traced linear layers cannot be sharded automatically: refuse, naming
+    the module (the strategy keeps it whole; ``tp_strict=True`` asks the user what to do)."""
     for name, module in block.named_modules():
         if name in trace.linears or name in trace.opaque or isinstance(module, nn.Linear) or name in overrides:
             continue
         own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
         if own:
-            raise ValueError(
+            what = f"{type(module).__name__} with a {own[0].dim()}-D parameter is no linear layer the planner recognizes"
+            raise PlanRefusal(
                 f"Tensor parallel planning cannot shard {type(module).__name__} {name!r} in"
                 f" {type(block).__name__} (it has a {own[0].dim()}-D parameter and is no linear layer the planner recognizes). Add an"
                 f" entry for it to HybridStrategy(tp_plan=...), e.g. tp_plan={{'*.{name}': 'replicate'}} to keep it"
-                " whole on every tensor-parallel rank, or a torch ParallelStyle."
+                " whole on every tensor-parallel rank, or a torch ParallelStyle.",
+                modules=(name,), reason=what,
             )
 
 
@@ -246,7 +250,10 @@ def _group_candidates(
     """All plausible ways to shard one pair group, most likely first."""
     group_heads = max((cut.factors[-2] for cut in trace.cuts if cut.linear in columns and len(cut.factors) > 1),
                       default=0)
-    shard_options = [column_options(trace, name, tp_size, group_heads) for name in columns]
+    try:
+        shard_options = [column_options(trace, name, tp_size, group_heads) for name in columns]
+    except PlanRefusal as refusal:  # a column that cannot be sharded leaves its whole pair group unsharded
+        raise PlanRefusal(str(refusal), modules=[*columns, *rows], reason=refusal.reason) from None
     owner = _common_owner([*columns, *rows])
     transposed = frozenset(name for name in [*columns, *rows] if trace.linears[name].transposed)
     groups = []

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_hybrid.tensor_parallel.dataflow import BlockTrace, FeatureCut
+from lightning_hybrid.tensor_parallel.refusal import PlanRefusal
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,10 @@ def column_options(trace: BlockTrace, name: str, tp: int, group_heads: int) -> l
         heads = " or ".join(f"{' × '.join(map(str, f))}" for f in shapes)
         detail = f"its output is reshaped into {heads}" if heads else f"it has {width} output features"
         detail += f" in pieces {list(pieces)}" if len(set(pieces)) > 1 else ""
-        raise ValueError(
+        raise PlanRefusal(
             f"tp={tp} does not divide the layout of {name!r}: {detail}. Choose a tp that divides the number of"
-            f" heads (and key/value heads) and the layer widths, or pass tp_plan={{'*.{name}': 'replicate'}}."
+            f" heads (and key/value heads) and the layer widths, or pass tp_plan={{'*.{name}': 'replicate'}}.",
+            modules=(name,), reason=f"tp={tp} does not divide the layout of {name!r}: {detail}",
         )
     return list({(o[0], tuple(o[1].items()), o[2], o[3]): o for o in options}.values())
 

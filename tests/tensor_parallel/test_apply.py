@@ -8,6 +8,7 @@ is refused at the check instead of training to wrong numbers.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -178,7 +179,7 @@ def test_plan_patterns_must_match_and_name_a_style() -> None:
 
 
 # ------------------------------------------------------------------------------------------- two-rank checks
-def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict) -> None:
+def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict, strict: bool = False) -> None:
     """Apply the automatic plan on 2 ranks and measure output/gradient differences against the whole block."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -191,7 +192,8 @@ def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict) -
     root.blocks = nn.ModuleList([block_zoo.build(style)])
     reference = copy.deepcopy(root.blocks[0])
     x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
-    plan = apply_tensor_parallel(root, "blocks", BlockList("blocks", root.blocks), {0: ((x,), {})}, mesh, tp_plan=tp_plan, verify=True)
+    plan = apply_tensor_parallel(root, "blocks", BlockList("blocks", root.blocks), {0: ((x,), {})}, mesh,
+                                 tp_plan=tp_plan, verify=True, strict=strict)
     sharded = root.blocks[0]
     x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref, out_tp = reference(x_ref), sharded(x_tp)
@@ -245,17 +247,35 @@ def test_user_styles_inside_blocks_win_over_the_automatic_choice() -> None:
 def test_wrong_user_style_is_caught_by_the_check() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    # Sharded output fed to a whole down layer: the check must refuse it and name the user's layer.
+    # Sharded output fed to a whole down layer: the check must refuse it and name the user's layer (a style the
+    # user gave is never dropped to keep the block whole).
     tp_plan = {"blocks.*.mlp.up": ColwiseParallel(), "blocks.*.mlp.down": "replicate"}
     with pytest.raises(Exception, match=r"full plan changes the block's output.*'mlp.up'"):
         _run_two_ranks("timm", tp_plan)
 
 
+def _refused_when_strict_else_kept_whole(rank: int, results: dict, style: str) -> None:
+    from lightning_hybrid.tensor_parallel.refusal import PlanCheckFailed
+
+    try:
+        _sharded_vs_unsharded(rank, results, style, {}, strict=True)
+    except PlanCheckFailed as refusal:
+        results["refusal"] = str(refusal)
+    _sharded_vs_unsharded(rank, results, style, {})
+
+
 @pytest.mark.slow
-def test_plan_that_changes_the_output_is_refused_with_the_fix() -> None:
+def test_plan_that_changes_the_output_is_refused_with_the_fix_when_strict_else_kept_whole() -> None:
     # nanoGPT derives the head size from the input width, which stays global: no layout of c_attn can work.
-    with pytest.raises(Exception, match=r"plan check failed for SequentialBlock.*'blocks\.\*\.attn\.c_attn': 'replicate'"):
-        _run_two_ranks("nanogpt")
+    results = on_two_ranks(_refused_when_strict_else_kept_whole, "nanogpt")
+    assert re.search(r"plan check failed for SequentialBlock.*'blocks\.\*\.attn\.c_attn': 'replicate'",
+                     results["refusal"])
+    # by default the attention stays whole on both ranks, the MLP is sharded, and the block computes the same
+    (structure,) = results["plan"].structures
+    assert structure.kept_whole[0].modules == ("attn.c_attn", "attn.c_proj")
+    assert structure.kept_whole[0].reason.startswith("the plan check: sharding them changes the block's output")
+    assert results["plan"]["blocks.*.mlp.down"] == "rowwise" and "blocks.*.attn.c_attn" not in results["plan"]
+    assert results["output"] < 1e-5 and results["input_grad"] < 1e-5 and results["param_grad"] < 1e-5
 
 
 def _plan_on_meta(rank: int, results: dict, style: str) -> None:
