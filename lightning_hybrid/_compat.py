@@ -40,6 +40,30 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
 
 
+class _GlobalOnly:
+    """What ``FlopCounterMode`` reads of its module tracker when only the total is wanted: no module hooks."""
+
+    parents = {"Global"}
+
+    def __enter__(self) -> "_GlobalOnly":
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+def total_flop_counter() -> Any:
+    """A ``torch.utils.flop_counter.FlopCounterMode`` counting the total only. Its ``mod_tracker`` (private) is
+    replaced: torch's ``ModuleTracker`` registers a multi-grad hook on every module input that requires grad, and
+    fails on a leaf view taken under ``no_grad`` (Hugging Face Mamba's ``conv1d.weight.view(...)``: "Expected
+    gradient function to be set"); the public constructor has no way to turn module tracking off."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _GlobalOnly()
+    return counter
+
+
 def dtensor_around(local: torch.Tensor, like: DTensor) -> DTensor:
     """A DTensor with ``like``'s mesh, placements and global shape around ``local`` itself. ``DTensor.from_local``
     would pass ``local`` through an autograd view, which need not keep the tensor subclass whose hooks DCP reads

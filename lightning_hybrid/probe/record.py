@@ -36,9 +36,8 @@ from typing import Any, Callable, Collection, Mapping, Optional
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_hybrid._compat import tree_leaves, tree_map
+from lightning_hybrid._compat import total_flop_counter, tree_leaves, tree_map
 from lightning_hybrid.probe.blocks import BlockList, block_structures
 from lightning_hybrid.probe.shapes import UnitShapes, describe_call, output_spec
 
@@ -193,7 +192,7 @@ class _Recorder:
         self.first_inputs: dict[str, int] = {}
         self.reads: dict[str, set[str]] = {}
         self.readers: dict[str, set[str]] = {}
-        self.counter = FlopCounterMode(display=False)
+        self.counter = total_flop_counter()
         self.marks: dict[str, float] = {}
         self.outputs = UnitShapes()
         self.blocks_running = 0

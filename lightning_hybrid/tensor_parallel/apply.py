@@ -135,7 +135,7 @@ def apply_tensor_parallel(
         if not targets:
             continue  # another pipeline stage's blocks
         call = block_call(block_calls, indices[0])
-        explicit = block_tp_overrides(root, tp_plan, blocks_path, [blocks.keys[i] for i in indices])
+        explicit = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in indices])
         plan, kept = plan_keeping_whole(
             lambda keep: plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
                                               indices=indices, keep_whole=keep), explicit, strict)
@@ -299,22 +299,53 @@ def _dtype_of(module: nn.Module) -> torch.dtype:
 
 
 def plan_error(reference: nn.Module, sharded: nn.Module, args: tuple, kwargs: dict) -> float:
-    """Largest relative difference between the unsharded and sharded block outputs on this rank."""
+    """Largest relative difference on this rank between the unsharded and sharded block: its outputs, and every
+    parameter's gradient of a fixed random projection of them (a weight the plan leaves whole but feeds sharded
+    activations — a per-head q/k norm after a column layer — gets only its rank's part of the gradient)."""
     def run(block: nn.Module) -> list[torch.Tensor]:
         # Fresh copies per run: blocks may update state they are handed (e.g. a key/value cache).
         call_args, call_kwargs = copy.deepcopy((args, kwargs))
-        with torch.no_grad():
-            return [t for t in tree_flatten(block(*call_args, **call_kwargs))[0] if isinstance(t, torch.Tensor)]
+        with torch.enable_grad():
+            outputs = [t for t in tree_flatten(block(*call_args, **call_kwargs))[0] if isinstance(t, torch.Tensor)]
+        return [t.full_tensor() if isinstance(t, DTensor) else t for t in outputs]
 
     expected, actual = run(reference), run(sharded)
-    if len(expected) != len(actual):
+    if len(expected) != len(actual) or any(want.shape != got.shape for want, got in zip(expected, actual)):
         return float("inf")
     error = 0.0
     for want, got in zip(expected, actual):
+        scale = want.detach().abs().max().clamp_min(1e-12)
+        error = max(error, float(((want - got).detach().abs().max() / scale).nan_to_num(float("inf"))))
+    return max(error, _gradient_error(reference, sharded, expected, actual))
+
+
+def _gradient_error(reference: nn.Module, sharded: nn.Module, expected: list[torch.Tensor],
+                    actual: list[torch.Tensor]) -> float:
+    """The largest relative difference of the parameters' gradients of ``sum(output · w)`` (``w`` drawn from a
+    fixed seed, the same on every rank); gradients are left cleared."""
+    generator = torch.Generator().manual_seed(0)
+    for outputs, block in ((expected, reference), (actual, sharded)):
+        weights = [torch.randn(t.shape, generator=generator).to(t.device, t.dtype) for t in expected]
+        generator.manual_seed(0)
+        terms = [(t * w).sum() for t, w in zip(outputs, weights) if t.requires_grad and t.is_floating_point()]
+        if terms:
+            torch.stack(terms).sum().backward()
+    pairs = []
+    held = dict(sharded.named_parameters())
+    for name, parameter in reference.named_parameters():
+        got = held[name].grad if name in held else parameter.grad  # a layer the plan replaced: its output checked
         got = got.full_tensor() if isinstance(got, DTensor) else got
-        if want.shape != got.shape:
+        if parameter.grad is not None or got is not None:
+            pairs.append((parameter.grad, got))
+    for block in (reference, sharded):
+        block.zero_grad(set_to_none=True)
+    # A gradient that is zero in exact arithmetic (a key's bias under softmax) is rounding noise on both sides.
+    floor = max((float(g.abs().max()) for g, _ in pairs if g is not None), default=0.0) * 1e-3
+    error = 0.0
+    for want, got in pairs:
+        if want is None or got is None or want.shape != got.shape:
             return float("inf")
-        scale = want.abs().max().clamp_min(1e-12)
+        scale = max(float(want.abs().max()), floor, 1e-12)
         error = max(error, float(((want - got).abs().max() / scale).nan_to_num(float("inf"))))
     return error
 
