@@ -206,3 +206,49 @@ class TokensAsImageSwin(nn.Module):
         image = patches.permute(0, 3, 1, 4, 2, 5).reshape(b, 4, 16, 16)
         features = self.swin(pixel_values=image).last_hidden_state  # (b, 4, 2·embed): 2×2 merged patches
         return self.head(features).view(b, 4, 4, VOCAB).reshape(b, SEQ, VOCAB)
+
+
+class TokensAsLatentsDiT(nn.Module):
+    """An unmodified class-conditional ``diffusers.DiTTransformer2DModel`` in a denoising step on the tokens: their
+    embeddings laid out as a 4×8×8 latent (a token per 2×2 patch), noised by a timestep and noise both drawn from the
+    tokens (the same on every rank and microbatch), the class label the first token; the predicted noise, patch by
+    patch, gives each token's logits. Its forward calls ``transformer_blocks[0].norm1.emb`` after the trunk."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        from diffusers import DiTTransformer2DModel
+
+        settings = dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=4,
+                        dropout=0.0, norm_num_groups=1, sample_size=8, patch_size=2, num_embeds_ada_norm=VOCAB)
+        if "layers" in config:
+            settings["num_layers"] = config["layers"]
+        self.dit = DiTTransformer2DModel(**{**settings, **{k: v for k, v in config.items() if k != "layers"}})
+        for block in self.dit.transformer_blocks:  # no class-label dropout, as the zoo trains without dropout
+            block.norm1.emb.class_embedder.dropout_prob = 0.0
+        self.embed = nn.Embedding(VOCAB, 4 * 2 * 2)  # a 2×2 patch of 4 channels per token
+        self.head = nn.Linear(4 * 2 * 2, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        import torch
+
+        b = tokens.shape[0]
+        latents = self.embed(tokens).view(b, 4, 4, 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, 4, 8, 8)
+        noise = torch.sin(tokens.float().repeat_interleave(16, dim=1).view(b, 4, 8, 8) * 1.7)
+        timestep = tokens.sum(dim=1) % 1000
+        alpha = (1.0 - timestep.float() / 1000.0).view(b, 1, 1, 1)
+        noised = alpha.sqrt() * latents + (1.0 - alpha).sqrt() * noise
+        predicted = self.dit(noised, timestep=timestep, class_labels=tokens[:, 0]).sample  # (b, 4, 8, 8)
+        patches = predicted.view(b, 4, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, SEQ, 16)
+        return self.head(patches - noise.view(b, 4, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, SEQ, 16))
+
+
+def peft_lora_llama(config: dict[str, Any]) -> nn.Module:
+    """A ``LlamaForCausalLM`` wrapped by PEFT's ``get_peft_model`` with LoRA adapters on q/v and the MLP's down
+    projection: the base frozen, only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = LlamaForCausalLM(LlamaConfig(**{**_DECODER, "num_key_value_heads": 2, **config}))
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                      init_lora_weights="gaussian")
+    return get_peft_model(base, lora)

@@ -78,8 +78,11 @@ class FSDPOptions:
 
 
 def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, options: FSDPOptions,
-               data_group: Any = None) -> None:
+               data_group: Any = None, called_outside: Iterable[nn.Module] = ()) -> None:
     """Shard each block as one FSDP2 unit, then the root (embeddings, final norm, head and anything left).
+    ``called_outside``: modules of the blocks that the step also calls from outside their block (diffusers' DiT
+    calls ``transformer_blocks[0].norm1.emb``), each its own unit first: a block's unit gathers its parameters
+    only around the block's own forward.
 
     ``mesh`` is the data-parallel mesh: 1-D for plain sharding, 2-D ``(replicate, shard)`` for HSDP. FSDP2 refuses
     scalar (0-dimensional) parameters (a learned temperature, a logit scale): they stay whole on every rank and
@@ -92,6 +95,12 @@ def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, o
         offload_policy=options.offload_policy(mesh.device_type),
         shard_placement_fn=_shard_placement,
     )
+    blocks = list(blocks)
+    inside = {id(m) for block in blocks for m in block.modules()}
+    for module in called_outside:
+        if id(module) in inside:
+            fully_shard(module, reshard_after_forward=options.zero == 3,
+                        ignored_params=scalars & set(module.parameters()), **common)
     for block in blocks:
         fully_shard(block, reshard_after_forward=options.zero == 3, ignored_params=scalars & set(block.parameters()),
                     **common)

@@ -91,6 +91,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     owned = list(range(len(blocks)))
     compute_dtype = mixed_precision_policy(precision).param_dtype
     vocab = find_vocab(module, blocks, dims, options, probe)  # on the unmodified model, before any step
+    called_outside = modules_called_outside(module, probe) if fsdp_applies(dims, options, precision) and len(blocks) else []
     require_sharded_head(options.loss_parallel, vocab)
     # 1. pipeline split
     if dims.pp > 1:
@@ -111,7 +112,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         apply_compile(module, blocks, owned, options.compile_arguments, options.pipeline_schedule)
     # 5. FSDP2
     result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, data_mesh, dims, options, precision,
-                                         result.pipeline)
+                                         result.pipeline, called_outside)
     # 6. materialization
     skip = loaded_names(module, options.weights) if options.weights is not None else ()
     apply_materialization(module, torch.device("cpu") if options.offload else device, recorded, skip)
@@ -136,6 +137,11 @@ def apply_pipeline_check(pipeline: Pipeline, probe: StepProbe, data_mesh: Option
     rank_zero_info(f"HybridStrategy: pipeline verified on the first batch against the unsplit step (largest relative"
                    f" difference {difference:.2g}, tolerance {tolerance:g}) in {seconds:.2f} s"
                    " (verify_pipeline=False skips this)")
+
+
+def modules_called_outside(module: nn.Module, probe: StepProbe) -> list[nn.Module]:
+    """The modules of the blocks that the step calls from outside their block (FSDP2 makes each its own unit)."""
+    return [module.get_submodule(name) for name in probe.record().block_module_calls]
 
 
 def held_modules_whole(module: nn.Module, pipeline: Optional[Pipeline]) -> dict[str, str]:
@@ -261,7 +267,8 @@ def fsdp_applies(dims: ParallelDims, options: HybridOptions, precision: str) -> 
 
 
 def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh,
-                        data_mesh: DeviceMesh, dims: ParallelDims, options: HybridOptions, precision: str, pipeline: Optional[Pipeline]) -> bool:
+                        data_mesh: DeviceMesh, dims: ParallelDims, options: HybridOptions, precision: str,
+                        pipeline: Optional[Pipeline], called_outside: Sequence[nn.Module] = ()) -> bool:
     """FSDP2 over the data mesh (HSDP with replicas), block by block then the root, or per pipeline stage; builds
     the pipeline's stage modules. Returns whether FSDP2 was applied. ``data_mesh`` is the flattened data-parallel
     mesh itself: slicing it out of ``mesh`` (``mesh["dp"]``) is deprecated by torch 2.13 and warns on every rank."""
@@ -271,9 +278,10 @@ def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, 
                                offload=options.offload)
     sharded = fsdp_applies(dims, options, precision)
     if pipeline is not None:
-        install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None, data_mesh.get_group())
+        install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None, data_mesh.get_group(),
+                       called_outside)
     elif sharded:
-        apply_fsdp(module, blocks, fsdp_mesh, fsdp_options, data_group=data_mesh.get_group())
+        apply_fsdp(module, blocks, fsdp_mesh, fsdp_options, data_mesh.get_group(), called_outside)
     mesh_shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
     if sharded:
         rank_zero_info(f"HybridStrategy: FSDP2 (ZeRO-{options.zero}) over {len(blocks)} blocks of '{blocks_path}',"
@@ -284,14 +292,15 @@ def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, 
 
 
 def install_stages(pipeline: Pipeline, blocks: BlockList, fsdp_mesh: DeviceMesh,
-                   fsdp_options: Optional[FSDPOptions], data_group: Any = None) -> None:
+                   fsdp_options: Optional[FSDPOptions], data_group: Any = None,
+                   called_outside: Sequence[nn.Module] = ()) -> None:
     """Build this rank's stage modules; with ``fsdp_options``, FSDP2 per block of each local stage, each stage
-    module the root of its own units (``data_group``: all data-parallel ranks, see :func:`apply_fsdp`)."""
+    module the root of its own units (``data_group``, ``called_outside``: see :func:`apply_fsdp`)."""
     pipeline.install(sharded=fsdp_options is not None)
     if fsdp_options is not None:
         for stage, stage_module in pipeline.stage_modules.items():
             stage_blocks = [blocks[i] for i in pipeline.split.block_range(stage)]
-            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options, data_group=data_group)
+            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options, data_group, called_outside)
     pipeline.route_units()
 
 

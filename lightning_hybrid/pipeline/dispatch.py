@@ -11,9 +11,9 @@ which modules really compute:
   embedding's output) still runs and hands the blocks their extra arguments. Attributes read from a stand-in
   (``head.weight.dtype``, ``embeddings.config``) come from that copy, tensors as zero-memory tensors of the right
   shape and dtype on this device;
-* a stage ends where the next stage's first block is called: that call's tensors — the residual stream, and
-  every value the step computed earlier and hands to the block (an encoder's output for cross-attention, a
-  timestep/class conditioning, rotary tables, masks) — are raised with :class:`StageOutput` (a
+* a stage ends where the next stage's first block is called: that call's floating-point tensors — the residual
+  stream, and every value the step computed earlier and hands to the block (an encoder's output for
+  cross-attention, a timestep/class conditioning, rotary tables) — are raised with :class:`StageOutput` (a
   ``BaseException``, so user code catching ``Exception`` cannot swallow it), which the stage module returns to
   ``PipelineStage`` to send on. The next stage's first block takes them in place of what its own run computed
   from stand-ins, and every later call on that stage given one of those objects gets the received value: values
@@ -307,10 +307,10 @@ class UnitDispatcher:
         active = self.active
         assert active is not None
         leaves, spec = tree_flatten((args, kwargs))
-        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        positions = [i for i, leaf in enumerate(leaves) if _carried(leaf)]
         if len(positions) != len(active.received):
             raise RuntimeError(
-                f"Block {block} is called with {len(positions)} tensors, but the stage before it sent"
+                f"Block {block} is called with {len(positions)} floating-point tensors, but the stage before it sent"
                 f" {len(active.received)}: with pp > 1 the step must call a stage's first block with the same"
                 " arguments on every stage. Cut elsewhere with HybridStrategy(pp_split=[...]), or use pp=1."
             )
@@ -320,12 +320,20 @@ class UnitDispatcher:
         return tree_unflatten(leaves, spec)
 
 
+def _carried(value: Any) -> bool:
+    """Whether a call's leaf crosses a stage boundary: its floating-point tensors, the values a stage computes.
+    Integer and boolean tensors (labels, position ids, masks) come from the batch and are computed again by every
+    stage's own run of the step; sent, they would also reach torch's shape inference as uninitialized memory, used
+    as indices."""
+    return isinstance(value, Tensor) and value.is_floating_point()
+
+
 def _call_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors of a call, in ``tree_flatten`` order: what crosses a stage boundary. Contiguous: process groups
-    send only dense tensors, and a block may be handed a view (T5's position bias, permuted)."""
-    if not kwargs and all(isinstance(v, Tensor) for v in args):  # block(x): flattening costs more than the call
+    """The floating-point tensors of a call, in ``tree_flatten`` order: what crosses a stage boundary. Contiguous:
+    process groups send only dense tensors, and a block may be handed a view (T5's position bias, permuted)."""
+    if not kwargs and all(_carried(v) for v in args):  # block(x): flattening costs more than the call
         return [t.contiguous() for t in args]
-    return [t.contiguous() for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    return [t.contiguous() for t in tree_flatten((args, kwargs))[0] if _carried(t)]
 
 
 def _substituted(args: tuple, kwargs: dict, substitutes: dict[int, tuple[Tensor, Tensor]]) -> tuple[tuple, dict]:

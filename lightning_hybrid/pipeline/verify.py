@@ -125,8 +125,9 @@ def _check_microbatching(probe: StepProbe, whole: float, microbatches: int) -> N
         raise PipelineMismatch(
             f"HybridStrategy(pp > 1) splits each batch into {microbatches} microbatches, and this model's step gives"
             f" another loss on them than on the whole batch ({combined:.6g} vs {whole:.6g} on the first batch): layers"
-            " whose statistics depend on the batch (BatchNorm) or a loss that couples the samples of a batch. Pass"
-            " pp_microbatches=1 (or pp=1); or verify_pipeline=False to train with per-microbatch semantics."
+            " whose statistics depend on the batch (BatchNorm), a loss that couples the samples of a batch, or random"
+            " draws other than dropout (a class label dropped at random), which microbatches draw in other pieces."
+            " Pass pp_microbatches=1 (or pp=1); or verify_pipeline=False to train with per-microbatch semantics."
         )
 
 
