@@ -318,6 +318,7 @@ ZOO: dict[str, ZooEntry] = {
     "hf_swin": ZooEntry(hf.TokensAsImageSwin, "layers"),
     "diffusers_dit": ZooEntry(hf.TokensAsLatentsDiT, "layers"),
     "peft_lora": ZooEntry(hf.peft_lora_llama, "num_hidden_layers"),
+    "litgpt": ZooEntry(hf.litgpt_gpt, "n_layer"),  # tried by hand: see its builder
     "two_lists": ZooEntry(_flow("ConditionedTwoListLM"), "n_layers"),
     "encoder_decoder": ZooEntry(_flow("EncoderDecoderLM"), "n_layers"),
     # not trained by the zoo: a step the pipeline cannot split right, for the setup verification to stop

@@ -252,3 +252,16 @@ def peft_lora_llama(config: dict[str, Any]) -> nn.Module:
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
                       init_lora_weights="gaussian")
     return get_peft_model(base, lora)
+
+
+def litgpt_gpt(config: dict[str, Any]) -> nn.Module:
+    """litgpt's own ``GPT`` (Lightning's LLM library; ``transformer = ModuleDict(wte=..., h=..., ln_f=...)``), a
+    Llama-style configuration. Not in the test extra: litgpt 0.5 pins ``huggingface-hub<1.4``, which transformers 5
+    excludes; installed without its dependencies (it needs ``psutil``) it is tried by hand (issue 29's note)."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    settings = dict(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32,
+                    n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
+                    norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64)
+    return GPT(Config(**{**settings, **config}))

@@ -21,11 +21,11 @@
 5. **FSDP2** last: it shards whatever parameters it finds, DTensors included, over the data mesh; with a pipeline
    each stage module is the root of its own units;
 6. **materialization**: a meta-device model gets its values now that each rank holds only its shards;
-7. **pretrained weights** (``weights=``): a Hugging Face checkpoint is read into the final shards, each rank
-   reading only its slices of each tensor, so no rank ever holds the whole model;
-8. **pipeline verification** (``verify_pipeline``): last, so that the pipelined step it runs on the first batch
-   is the one training will run, every parallelism applied; compared with the unsplit step taken in step 1
-   (:mod:`lightning_hybrid.pipeline.verify`).
+7. **pipeline verification** (``verify_pipeline``): once every parallelism is applied, so that the pipelined step
+   it runs on the first batch is the one training will run; compared with the unsplit step taken in step 1 on the
+   same (initial) weights (:mod:`lightning_hybrid.pipeline.verify`) — before pretrained weights replace them;
+8. **pretrained weights** (``weights=``): a Hugging Face checkpoint is read into the final shards, each rank
+   reading only its slices of each tensor, so no rank ever holds the whole model.
 
 Example::
 
@@ -116,12 +116,12 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     # 6. materialization
     skip = loaded_names(module, options.weights) if options.weights is not None else ()
     apply_materialization(module, torch.device("cpu") if options.offload else device, recorded, skip)
-    # 7. pretrained weights, read into the shards in place (needs the final layout: each rank reads its slices)
-    if options.weights is not None:
-        load_pretrained(module, options.weights)
-    # 8. pipeline verification
+    # 7. pipeline verification
     if result.pipeline is not None and result.pipeline.unsplit is not None:
         apply_pipeline_check(result.pipeline, probe, data_mesh if dims.data_parallel_size > 1 else None, precision)
+    # 8. pretrained weights, read into the shards in place (needs the final layout: each rank reads its slices)
+    if options.weights is not None:
+        load_pretrained(module, options.weights)
     return result
 
 

@@ -38,18 +38,24 @@ ExpertLayout = tuple[tuple[str, int, int], ...]
 _PIECES = (1, 2)
 
 
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
 def holds_expert_stack(module: nn.Module) -> bool:
-    """Whether ``module`` keeps experts stacked in its own ≥3-D parameters."""
-    return any(p.dim() >= 3 for p in module.parameters(recurse=False))
+    """Whether ``module`` keeps experts stacked in its own ≥3-D parameters (a convolution's kernel is not: a
+    state-space mixer's depthwise ``Conv1d``)."""
+    return not isinstance(module, _CONVOLUTIONS) and any(p.dim() >= 3 for p in module.parameters(recurse=False))
 
 
 def expert_layouts(module: nn.Module, stream_widths: set[int], tp: int) -> list[ExpertLayout]:
-    """Every way to shard each of ``module``'s own parameters along one non-expert dimension that is not the
-    model width (``stream_widths``) and that ``tp`` (times its fused pieces) divides."""
+    """Every way to shard each of ``module``'s own parameters along one non-expert dimension that ``tp`` (times
+    its fused pieces) divides, dimensions of another size than the model width (``stream_widths``) first: an
+    expert's hidden width may equal the model's (Qwen3-MoE's small configurations), which the check then tells."""
     per_parameter = []
     for name, parameter in module.named_parameters(recurse=False):
         options = [(name, dim, pieces) for dim in range(1, parameter.dim()) for pieces in _PIECES
-                   if parameter.shape[dim] not in stream_widths and parameter.shape[dim] % (tp * pieces) == 0]
+                   if parameter.shape[dim] % (tp * pieces) == 0]
+        options.sort(key=lambda option: parameter.shape[option[1]] in stream_widths)
         if not options:
             return []
         per_parameter.append(options)

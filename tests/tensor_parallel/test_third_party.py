@@ -161,3 +161,15 @@ def test_stacked_expert_weights_are_sharded_along_each_experts_hidden_width() ->
     assert [group.name for group in candidates[-1]] == ["mlp.experts"] * len(candidates[-1])
     with pytest.raises(ValueError, match=r"tp=3 does not divide the experts' hidden width.*'\*\.mlp\.experts'"):
         plan_block(blocks[0], trace, 3, {f"self_attn.{p}_proj": "replicate" for p in "qkvo"})
+
+
+def test_an_experts_hidden_width_equal_to_the_models_is_a_layout_to_check_and_a_convolution_holds_no_experts() -> None:
+    from lightning_hybrid.tensor_parallel.experts import expert_layouts, holds_expert_stack
+
+    experts = nn.Module()  # Qwen3-MoE's layout with its hidden width equal to the model's (32)
+    experts.gate_up_proj = nn.Parameter(torch.zeros(4, 64, 32))
+    experts.down_proj = nn.Parameter(torch.zeros(4, 32, 32))
+    layouts = expert_layouts(experts, stream_widths={32}, tp=2)
+    assert (("gate_up_proj", 1, 2), ("down_proj", 2, 1)) in layouts
+    assert layouts[0][0][1] == 1  # the dimension of another size than the model's first
+    assert not holds_expert_stack(nn.Conv1d(8, 8, 4, groups=8))  # Mamba's depthwise convolution
