@@ -196,8 +196,6 @@ KEPT_WHOLE: dict[tuple[str, str], tuple[str, tuple[str, ...], str]] = {
         "hf_mamba": ("the Mamba mixer kept whole over tp", ("mixer",), r"cannot shard MambaMixer 'mixer'"),
         "hf_deepseek_v3": ("the latent kv projections kept whole over tp", ("self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"),
                            r"tp=2 does not divide the layout of 'self_attn\.kv_a_proj_with_mqa'"),
-        "hf_qwen3_moe": ("the experts and attention kept whole over tp", ("mlp.experts",),
-                         r"does not divide the experts' hidden width"),
         "hf_swin": ("relative position tables kept whole over tp", ("blocks.0.attention.relative_position_bias",),
                     r"cannot shard SwinRelativePositionBias"),
         "diffusers_dit": ("the class-label table kept whole over tp", ("norm1.emb.class_embedder.embedding_table",),
