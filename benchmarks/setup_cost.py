@@ -7,7 +7,8 @@ minimal LightningModule (:class:`CountingLlama`: ``training_step`` returns the m
 serves :data:`BATCH` sequences of :data:`SEQUENCE` random tokens, AdamW); fp32, one optimizer step. Layouts (one
 process per rank, started by ``benchmarks/harness.py``, gloo, one thread each): ``single`` = plain Lightning on one
 device (no strategy), ``tp2`` = ``HybridStrategy(tp=2)``, ``pp2`` = ``HybridStrategy(pp=2)``, ``tp2-pp2`` =
-``HybridStrategy(tp=2, pp=2)``, every other option at its default. The Trainer keeps Lightning's defaults where
+``HybridStrategy(tp=2, pp=2)``, every other option at its default; ``pp2-unverified`` = ``HybridStrategy(pp=2,
+verify_pipeline=False)``, the pipeline's setup verification's cost by difference. The Trainer keeps Lightning's defaults where
 they cost setup time (the TensorBoard logger, the model summary, HybridStrategy's monitor); progress bar and
 checkpointing are off.
 
@@ -54,7 +55,9 @@ from benchmarks.harness import (  # noqa: E402
 
 #: Layout name → ``HybridStrategy`` keyword arguments (``None``: plain Lightning on one device).
 LAYOUTS: dict[str, dict[str, int] | None] = {"single": None, "tp2": {"tp": 2}, "pp2": {"pp": 2},
-                                              "tp2-pp2": {"tp": 2, "pp": 2}}
+                                              "tp2-pp2": {"tp": 2, "pp": 2},
+                                              # the pipeline's setup verification's cost, side by side
+                                              "pp2-unverified": {"pp": 2, "verify_pipeline": False}}
 BLOCKS = (8, 32, 64)
 LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="sdpa")

@@ -224,6 +224,9 @@ def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: BlockList,
                    f" {pipeline.split.blocks_per_stage}, {schedule.microbatches} microbatches")
     if pipeline.measured_split is not None:
         rank_zero_info(f"HybridStrategy: {pipeline.measured_split.describe()}")
+    if verify and pipeline.unsplit is None:
+        rank_zero_info("HybridStrategy: the pipeline is not verified against the unsplit step (the model is on the"
+                       " meta device, or setup does not run a training step)")
     return pipeline
 
 

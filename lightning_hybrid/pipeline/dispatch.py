@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_hybrid.pipeline.split import StageSplit
+from lightning_hybrid.probe.meta_step import meta_step
 from lightning_hybrid.probe.shapes import TensorSpec, UnitShapes, describe_call, output_spec
 
 
@@ -289,7 +290,7 @@ class UnitDispatcher:
             return value.detach().to("meta", dtype=cast)
 
         try:
-            with torch.no_grad():
+            with torch.no_grad(), meta_step():
                 return module(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         except Exception as error:
             shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_hybrid._compat import total_flop_counter, tree_leaves, tree_map
 from lightning_hybrid.probe.blocks import BlockList, block_structures
+from lightning_hybrid.probe.meta_step import meta_step
 from lightning_hybrid.probe.shapes import UnitShapes, describe_call, output_spec
 
 BEFORE, TRUNK, AFTER = "before the blocks", "between blocks", "after the blocks"
@@ -92,8 +94,9 @@ def record_step(root: nn.Module, blocks: BlockList, run_step: Callable[[], Any],
     units, direct = outer_modules(root, blocks)
     recorder = _Recorder(root, blocks, units, set(capture))
     handles = recorder.attach()
+    on_meta = meta_step() if any(p.is_meta for p in root.parameters()) else contextlib.nullcontext()
     try:
-        with torch.no_grad(), recorder.counter, ParameterUses(recorder.note_read):
+        with torch.no_grad(), recorder.counter, ParameterUses(recorder.note_read), on_meta:
             run_step()
     finally:
         for handle in handles:

@@ -159,3 +159,28 @@ def test_modules_of_a_block_called_from_outside_it_are_recorded_with_their_phase
     _, blocks = find_block_list(model)
     record = record_step(model, blocks, lambda: model(torch.randn(2, 8)))
     assert record.block_module_calls == {"blocks.0.up": {AFTER}, "blocks.1.down": {BEFORE}}
+
+
+def test_a_meta_model_is_recorded_through_value_reads_and_grouped_matmuls_its_kernels_refuse() -> None:
+    class Routed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Dense(), Dense()])
+            self.experts = nn.Parameter(torch.zeros(2, 8, 8))
+
+        def forward(self, x: Tensor) -> Tensor:
+            if (x[:, -1] == 0).all():  # a value read (Hugging Face asks whether sequences are packed)
+                x = x + 1
+            offsets = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32, device=x.device)
+            x = torch._grouped_mm(x, self.experts, offs=offsets)  # float32: the meta kernel wants 16-bit
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    with torch.device("meta"):
+        model = Routed()
+    _, blocks = find_block_list(model)
+    record = record_step(model, blocks, lambda: model(torch.zeros(4, 8, device="meta")))
+    assert record.block_runs == [1, 1]
+    (x,), _ = record.block_calls[0]
+    assert x.shape == (4, 8) and x.dtype == torch.float32 and x.is_meta
