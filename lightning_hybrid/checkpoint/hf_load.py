@@ -12,7 +12,10 @@ piece by piece, and every tensor in blocks of rows of at most :data:`READ_BLOCK_
 Names: the ``PreTrainedModel`` inside the LightningModule is found by type; its path (``model.`` for
 ``self.model = AutoModelForCausalLM...``) is stripped from the LightningModule's names. A weight Hugging Face saves
 once because it is tied (``lm_head.weight`` to the token embedding, ``all_tied_weights_keys``) is read from its
-source's name, also on a pipeline stage that holds only the tied copy. Missing, unexpected or shape-mismatched
+source's name, also on a pipeline stage that holds only the tied copy. A checkpoint saved under other names or in
+pieces (transformers 5 stores a mixture of experts per expert and stacks it in the model) is read through
+transformers' own conversion mapping (:mod:`.hf_convert`): renamed tensors by DCP as the others, each stacked
+tensor whole (one layer's experts at a time) and sliced to this rank's shard. Missing, unexpected or shape-mismatched
 names stop loading on every rank with one message listing them, before anything is written.
 
 Example::
@@ -32,8 +35,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_hybrid.checkpoint.dcp_io import in_row_blocks
+from lightning_hybrid.checkpoint.hf_convert import Converted, conversion_plan, converted_shape, read_converted
 
 #: The most a rank reads at once (the Hugging Face reader materializes each box it is asked for before copying it).
 READ_BLOCK_BYTES = 16 * 2**20
@@ -43,23 +48,28 @@ def load_pretrained(module: nn.Module, directory: Union[str, os.PathLike]) -> No
     """Fill ``module``'s parameters and persistent buffers (as sharded, on every rank; a collective) from the Hugging
     Face checkpoint ``directory`` for the ``PreTrainedModel`` it contains."""
     directory = Path(directory)
-    prefix, tied = _pretrained_model(module)
-    reader = _reader(directory)
-    stored = {name: tuple(meta.size) for name, meta in reader.read_metadata().state_dict_metadata.items()}
+    prefix, tied, pretrained = _pretrained_model(module)
+    shapes, stored_as, converted = _checkpoint_as_named(pretrained, directory)
     local = {name[len(prefix):]: tensor for name, tensor in get_model_state_dict(module).items()
              if name.startswith(prefix)}
     # Where each local tensor's values are stored: its own name, or a tied weight's source (saved once).
-    sources = {name: name if name in stored else tied.get(name, name) for name in local}
+    sources = {name: name if name in shapes else tied.get(name, name) for name in local}
     buffers = {name[len(prefix):] for name, _ in module.named_buffers() if name.startswith(prefix)}
-    _check_names(directory, stored, local, sources, buffers)
-    local = {name: tensor for name, tensor in local.items() if sources[name] in stored}
+    _check_names(directory, shapes, local, sources, buffers)
+    local = {name: tensor for name, tensor in local.items() if sources[name] in shapes}
+    with torch.no_grad():
+        for name, tensor in local.items():
+            if sources[name] in converted:  # stored in pieces (experts one by one): read whole, then this shard
+                _copy_whole_into(tensor, read_converted(directory, converted[sources[name]]))
     # One DCP load per distinct source name: a tied copy held next to its source is read in a second pass.
     first: dict[str, torch.Tensor] = {}
     second: dict[str, torch.Tensor] = {}
     for name, tensor in local.items():
-        target = first if sources[name] not in first else second
+        if sources[name] in converted:
+            continue
+        target = first if stored_as[sources[name]] not in first else second
         if not any(tensor is held for held in first.values()):
-            target[sources[name]] = tensor
+            target[stored_as[sources[name]]] = tensor
     for state in (first, second):
         blocks = {name: in_row_blocks(tensor, READ_BLOCK_BYTES) for name, tensor in state.items()}
         with torch.no_grad():
@@ -69,16 +79,40 @@ def load_pretrained(module: nn.Module, directory: Union[str, os.PathLike]) -> No
 def loaded_names(module: nn.Module, directory: Union[str, os.PathLike]) -> set[str]:
     """The names (in ``module``) of the parameters and buffers :func:`load_pretrained` will overwrite from
     ``directory``: materialization need not initialize them."""
-    prefix, tied = _pretrained_model(module)
-    stored = set(_reader(Path(directory)).read_metadata().state_dict_metadata)
+    prefix, tied, pretrained = _pretrained_model(module)
+    stored = _checkpoint_as_named(pretrained, Path(directory))[0]
     names = [name for name, _ in [*module.named_parameters(remove_duplicate=False),
                                   *module.named_buffers(remove_duplicate=False)] if name.startswith(prefix)]
     return {name for name in names
             if (short := name[len(prefix):]) in stored or tied.get(short, short) in stored}
 
 
-def _pretrained_model(module: nn.Module) -> tuple[str, dict[str, str]]:
-    """The outermost ``PreTrainedModel``'s name prefix and its tied ``{target: source}`` names."""
+def _checkpoint_as_named(pretrained: nn.Module, directory: Path) -> tuple[dict, dict[str, str], dict[str, Converted]]:
+    """The checkpoint under the model's names (transformers' conversion mapping applied, :mod:`.hf_convert`):
+    ``(shapes, stored_as, converted)`` — every model name's stored shape, the stored name of each tensor stored
+    whole, and the tensors stored in pieces."""
+    stored = {name: tuple(meta.size) for name, meta in _reader(directory).read_metadata().state_dict_metadata.items()}
+    renamed, converted = conversion_plan(pretrained, stored)
+    pieces = {name for entry in converted.values() for names in entry.sources.values() for name in names}
+    stored_as = {name: name for name in stored if name not in pieces and name not in renamed.values()}
+    stored_as.update(renamed)
+    shapes = {name: stored[source] for name, source in stored_as.items()}
+    shapes.update({name: converted_shape(entry, stored) for name, entry in converted.items()})
+    return shapes, stored_as, converted
+
+
+def _copy_whole_into(tensor: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy this rank's part of ``whole`` into ``tensor`` (a DTensor shard — sliced here, no communication — or a
+    plain tensor)."""
+    if isinstance(tensor, DTensor):
+        part = distribute_tensor(whole.to(tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None)
+        tensor.to_local().copy_(part.to_local())
+    else:
+        tensor.copy_(whole)
+
+
+def _pretrained_model(module: nn.Module) -> tuple[str, dict[str, str], nn.Module]:
+    """The outermost ``PreTrainedModel``'s name prefix, its tied ``{target: source}`` names, and itself."""
     try:
         from transformers import PreTrainedModel
     except ImportError as error:
@@ -88,7 +122,7 @@ def _pretrained_model(module: nn.Module) -> tuple[str, dict[str, str]]:
             tied = dict(getattr(candidate, "all_tied_weights_keys", None) or {})
             if not candidate.config.tie_word_embeddings:
                 tied = {}
-            return (f"{name}." if name else ""), tied
+            return (f"{name}." if name else ""), tied, candidate
     raise ValueError(
         f"HybridStrategy(weights=...) loads a Hugging Face checkpoint into the transformers.PreTrainedModel of the"
         f" LightningModule, but {type(module).__name__} holds none. Load other weights in configure_model (before"

@@ -46,6 +46,7 @@ from lightning_hybrid.tensor_parallel.block_plan import (
     resolve_overrides,
 )
 from lightning_hybrid.tensor_parallel.refusal import PlanCheckFailed
+from lightning_hybrid.tensor_parallel.sharded_path import sharded_path_styles
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +189,10 @@ def plan_tensor_parallel(
         trace = trace_block(reference, args, kwargs)
         custom, candidates = plan_block(reference, trace, mesh.size(), in_block)
         where = blocks_path  # messages suggest "<blocks_path>.*.<layer>" entries
-        groups = [_settle_group(reference, options, args, kwargs, mesh, verify, where) for options in candidates]
-        plan = BlockPlan(groups=groups, custom=custom)
+        settled = [_settle_group(reference, options, args, kwargs, mesh, verify, where) for options in candidates]
+        for _, repairs in settled:
+            custom.update(repairs)
+        plan = BlockPlan(groups=[group for group, _ in settled], custom=custom)
         if verify:
             _verify_whole_plan(reference, plan, args, kwargs, mesh, where)
     return plan
@@ -197,15 +200,20 @@ def plan_tensor_parallel(
 
 def _settle_group(
     reference: nn.Module, options: list[Group], args: tuple, kwargs: dict, mesh: DeviceMesh, verify: bool, where: str
-) -> PairGroup:
-    """The first candidate sharding of one pair group whose block output matches the unsharded block."""
+) -> tuple[Group, dict[str, ParallelStyle]]:
+    """The first candidate sharding of one pair group whose block output and gradients match the unsharded block,
+    with the styles that make modules computing on its sharded activations right (:mod:`.sharded_path`)."""
     if not verify:
-        return options[0]
+        return options[0], {}
     errors = []
     for group in options:
         error = _plan_error(reference, BlockPlan([group]), args, kwargs, mesh)
         if error <= tolerance_for(_dtype_of(reference)):
-            return group
+            return group, {}
+        repairs = _sharded_path_repairs(reference, group, args, kwargs, mesh)
+        if repairs and _plan_error(reference, BlockPlan([group], repairs), args, kwargs, mesh) <= tolerance_for(
+                _dtype_of(reference)):
+            return group, repairs
         errors.append(error)
     layers = options[0].layers
     fix = ", ".join(f"'{where}.*.{name}': 'replicate'" for name in layers)
@@ -220,6 +228,13 @@ def _settle_group(
         modules=layers, reason=f"the plan check: sharding them changes the block's output (relative error"
                                f" {min(errors):.1e})",
     )
+
+
+def _sharded_path_repairs(reference: nn.Module, group: Group, args: tuple, kwargs: dict,
+                          mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+    sharded = copy.deepcopy(reference)
+    apply_block_plan(sharded, BlockPlan([group]), mesh)
+    return sharded_path_styles(reference, sharded, args, kwargs, set(group.layers), mesh.size())
 
 
 def _verify_whole_plan(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -19,6 +20,8 @@ from tests.models import build_module
 
 #: Qwen2: a tied head (saved once), q/k/v biases; Phi-3: a fused q|k|v of unequal pieces, fused gate|up.
 MODELS = ("hf_qwen2", "hf_phi3")
+#: Mixtral, Qwen3-MoE: experts saved one by one, stacked in the model (transformers' conversion mapping); at 2 ranks.
+MOE_MODELS = ("hf_mixtral", "hf_qwen3_moe")
 #: Layout → the harness's arguments and the data-parallel size of its reference. Runs and references train the
 #: short run (``SHORT_RUN``): the 8-rank pipeline's four fits are bound by their steps.
 LAYOUTS = {"tp2": (["--tp", 2, "--devices", 2, *SHORT_RUN], 1), "pp2": (["--pp", 2, "--devices", 2, *SHORT_RUN], 1),
@@ -33,7 +36,12 @@ def _save_pretrained(model: str, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {model: _save_pretrained(model, tmp_path_factory.mktemp(model)) for model in MODELS}
+    return {model: _save_pretrained(model, tmp_path_factory.mktemp(model)) for model in MODELS + MOE_MODELS}
+
+
+def _models(dp_size: int) -> tuple[str, ...]:
+    """The families fine-tuned at a data-parallel size: the mixtures of experts at 2 ranks (dp 1) only."""
+    return MODELS + MOE_MODELS if dp_size == 1 else MODELS
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +50,7 @@ def references(pretrained: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     runs = {}
     for dp_size in sorted({dp for _, dp in LAYOUTS.values()}):
         out = tmp_path_factory.mktemp(f"reference_dp{dp_size}") / "reference.pt"
-        entries = [{"model": model, "module": {"pretrained": str(pretrained[model])}} for model in MODELS]
+        entries = [{"model": model, "module": {"pretrained": str(pretrained[model])}} for model in _models(dp_size)]
         runs[dp_size] = run_sweep(["--reference", "--dp", dp_size, "--devices", 1, *SHORT_RUN, "--out", out], entries)
     return runs
 
@@ -53,14 +61,17 @@ def test_fine_tuning_from_a_hugging_face_directory_equals_single_device(
     layout: str, pretrained: dict[str, Path], references: dict[int, list[dict]], tmp_path: Path
 ) -> None:
     arguments, dp_size = LAYOUTS[layout]
-    entries = [{"model": model, "weights": str(pretrained[model])} for model in MODELS]
+    models = _models(dp_size)
+    entries = [{"model": model, "weights": str(pretrained[model])} for model in models]
     # and built on the meta device: no rank ever holds the whole model
-    entries += [{"model": model, "weights": str(pretrained[model]), "module": {"init": "meta"}} for model in MODELS]
+    entries += [{"model": model, "weights": str(pretrained[model]), "module": {"init": "meta"}} for model in models]
     results = run_sweep([*arguments, "--out", tmp_path / "run.pt"], entries)
-    for model, reference, result in zip(MODELS * 2, references[dp_size] * 2, results):
-        saved = load_file(pretrained[model] / "model.safetensors")
-        for name, tensor in saved.items():  # every layout starts from exactly the saved weights
-            assert torch.equal(result["initial_params"][f"model.{name}"], tensor), (model, name)
+    for model, reference, result in zip(models * 2, references[dp_size] * 2, results):
+        if model in MODELS:  # saved under the model's names: every layout starts from exactly the saved weights
+            for name, tensor in load_file(pretrained[model] / "model.safetensors").items():
+                assert torch.equal(result["initial_params"][f"model.{name}"], tensor), (model, name)
+        for name, tensor in reference["initial_params"].items():  # from_pretrained's weights, experts converted
+            assert torch.equal(result["initial_params"][name], tensor), (model, name)
         assert_equivalent(reference, result, rtol=1e-5)
 
 
@@ -153,3 +164,18 @@ def test_strided_and_whole_tensor_parallel_weights_load_in_row_blocks(tmp_path: 
     results = on_two_ranks(_load_tensor_parallel, str(folder))
     assert results["plan"]["model.model.layers.*.mlp.gate_up_proj"] == "colwise (strided x2)"
     assert results["unequal"] == []
+
+
+@pytest.mark.parametrize("model", ["hf_mixtral", "hf_qwen3_moe"])
+def test_experts_saved_one_by_one_load_stacked_as_from_pretrained_converts_them(model: str, tmp_path: Path) -> None:
+    # transformers 5 saves a mixture of experts per expert (``experts.3.w1.weight``) and stacks it in the model
+    folder = _save_pretrained(model, tmp_path)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as stored:
+        assert any(".experts.0." in name for name in stored.keys())
+    expected = type(build_module(model).model).from_pretrained(folder).state_dict()
+    module = build_module(model, seed=3)
+    assert not torch.equal(module.model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"],
+                           expected["model.layers.0.mlp.experts.gate_up_proj"])
+    load_pretrained(module, folder)
+    for name, tensor in module.model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
