@@ -221,10 +221,12 @@ class FusedGQABlock(nn.Module):
 
 
 class FusedGQALM(nn.Module):
+    block_class: type[nn.Module] = FusedGQABlock
+
     def __init__(self, config: SmallConfig) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, config.dim)
-        self.blocks = nn.ModuleList(FusedGQABlock(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(self.block_class(config) for _ in range(config.n_layers))
         self.norm = nn.LayerNorm(config.dim)
         self.head = nn.Linear(config.dim, VOCAB)
 
@@ -260,22 +262,12 @@ class OddPartsBlock(PlainBlock):
         return super().forward(self.pos(x))
 
 
-class OddPartsLM(nn.Module):
-    """Tensor parallelism at tp=2 keeps each block's position table and attention whole and shards its MLP, the
-    embedding and the head (``tests/tensor_parallel/test_fallback.py``)."""
+class OddPartsLM(FusedGQALM):
+    """:class:`FusedGQALM`'s trunk of :class:`OddPartsBlock`\ s: tensor parallelism at tp=2 keeps each block's
+    position table and attention whole and shards its MLP, the embedding and the head
+    (``tests/tensor_parallel/test_fallback.py``)."""
 
-    def __init__(self, config: SmallConfig) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, config.dim)
-        self.blocks = nn.ModuleList(OddPartsBlock(config) for _ in range(config.n_layers))
-        self.norm = nn.LayerNorm(config.dim)
-        self.head = nn.Linear(config.dim, VOCAB)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+    block_class = OddPartsBlock
 
 
 def _flow(name: str) -> Callable[[dict[str, Any]], nn.Module]:

@@ -12,7 +12,8 @@ Example::
 
     renamed, converted = conversion_plan(pretrained_model, stored_names)
     renamed["model.layers.0.mlp.gate.weight"]          # "model.layers.0.block_sparse_moe.gate.weight"
-    full = read_converted(directory, converted["model.layers.0.mlp.experts.gate_up_proj"])
+    files = stored_files(directory)
+    full = read_converted(directory, converted["model.layers.0.mlp.experts.gate_up_proj"], files)
 """
 
 from __future__ import annotations
@@ -83,12 +84,11 @@ def converted_shape(converted: Converted, shapes: dict[str, tuple[int, ...]]) ->
                                       for names in converted.sources.values() for name in names}).shape)
 
 
-def read_converted(directory: Path, converted: Converted) -> torch.Tensor:
-    """The converted tensor, whole: its sources read from the safetensors files and converted by transformers'
-    operations."""
+def read_converted(directory: Path, converted: Converted, files: dict[str, str]) -> torch.Tensor:
+    """The converted tensor, whole: its sources read from the safetensors ``files`` (:func:`stored_files`) and
+    converted by transformers' operations."""
     from safetensors import safe_open
 
-    files = _files_of(directory)
     tensors = {}
     for name in (name for names in converted.sources.values() for name in names):
         with safe_open(str(directory / files[name]), framework="pt") as stored:
@@ -106,7 +106,7 @@ def _convert(converted: Converted, tensors: dict[str, torch.Tensor]) -> torch.Te
     return result
 
 
-def _files_of(directory: Path) -> dict[str, str]:
+def stored_files(directory: Path) -> dict[str, str]:
     """Stored name → the safetensors file holding it (one file, or the index of several)."""
     index = directory / "model.safetensors.index.json"
     if index.exists():

@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_hybrid.checkpoint.dcp_io import in_row_blocks
-from lightning_hybrid.checkpoint.hf_convert import Converted, conversion_plan, converted_shape, read_converted
+from lightning_hybrid.checkpoint.hf_convert import (Converted, conversion_plan, converted_shape, read_converted,
+                                                    stored_files)
 
 #: The most a rank reads at once (the Hugging Face reader materializes each box it is asked for before copying it).
 READ_BLOCK_BYTES = 16 * 2**20
@@ -57,10 +58,11 @@ def load_pretrained(module: nn.Module, directory: Union[str, os.PathLike]) -> No
     buffers = {name[len(prefix):] for name, _ in module.named_buffers() if name.startswith(prefix)}
     _check_names(directory, shapes, local, sources, buffers)
     local = {name: tensor for name, tensor in local.items() if sources[name] in shapes}
+    files = stored_files(directory) if converted else {}
     with torch.no_grad():
         for name, tensor in local.items():
             if sources[name] in converted:  # stored in pieces (experts one by one): read whole, then this shard
-                _copy_whole_into(tensor, read_converted(directory, converted[sources[name]]))
+                _copy_whole_into(tensor, read_converted(directory, converted[sources[name]], files))
     # One DCP load per distinct source name: a tied copy held next to its source is read in a second pass.
     first: dict[str, torch.Tensor] = {}
     second: dict[str, torch.Tensor] = {}

@@ -67,7 +67,7 @@ from lightning_hybrid.tensor_parallel.apply import apply_tensor_parallel
 from lightning_hybrid.tensor_parallel.fallback import AppliedPlan
 from lightning_hybrid.tensor_parallel.vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
 from lightning_hybrid.pipeline.runtime import Pipeline, build_pipeline
-from lightning_hybrid.pipeline.verify import LOW_PRECISION_TOLERANCE, TOLERANCE, check_pipeline
+from lightning_hybrid.pipeline.verify import check_pipeline, tolerance
 from lightning_hybrid.options.schedules import PipelineSchedule
 
 @dataclass
@@ -129,13 +129,12 @@ def apply_pipeline_check(pipeline: Pipeline, probe: StepProbe, data_mesh: Option
     """One pipelined step on the first batch against the unsplit step (:func:`check_pipeline`); its cost logged."""
     assert pipeline.unsplit is not None
     start = time.perf_counter()
-    full = precision.startswith(("32", "64"))
-    tolerance = TOLERANCE[torch.float32] if full else LOW_PRECISION_TOLERANCE
+    allowed = tolerance(precision)
     difference = check_pipeline(pipeline, probe, pipeline.unsplit, data_mesh.get_group() if data_mesh else None,
-                                tolerance)
+                                allowed)
     seconds = pipeline.unsplit.seconds + time.perf_counter() - start
     rank_zero_info(f"HybridStrategy: pipeline verified on the first batch against the unsplit step (largest relative"
-                   f" difference {difference:.2g}, tolerance {tolerance:g}) in {seconds:.2f} s"
+                   f" difference {difference:.2g}, tolerance {allowed:g}) in {seconds:.2f} s"
                    " (verify_pipeline=False skips this)")
 
 
@@ -150,7 +149,7 @@ def held_modules_whole(module: nn.Module, pipeline: Optional[Pipeline]) -> dict[
     are summed), and only the block's stage applies the block's plan."""
     entries: dict[str, str] = {}
     for name in pipeline.split.held_inside if pipeline is not None else ():
-        unit = next(u.name for u in pipeline.split.units if u.block_index is not None and name.startswith(u.name + "."))
+        unit = pipeline.split.block_unit_of(name).name
         pattern = f"{unit.rpartition('.')[0]}.*.{name[len(unit) + 1:]}"
         for relative, inner in module.get_submodule(name).named_modules():
             if any(True for _ in inner.parameters(recurse=False)):

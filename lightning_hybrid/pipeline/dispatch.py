@@ -63,10 +63,10 @@ class ActiveStage:
     #: Set for a shape pass (:meth:`UnitDispatcher.boundary_shapes`): the first block of each stage but the first
     #: → the stage before it, and where the shapes of what the stages send are collected.
     boundaries: Optional[tuple[dict[int, int], dict[int, list[tuple[int, ...]]]]] = None
-    #: ``id`` of a value this stage computed for itself → the value the previous stage sent in its place: every
-    #: later call on this stage given the same object gets the received one (a conditioning vector or an
-    #: encoder's output handed to each block).
-    #: Holds the replaced object too, so that its ``id`` cannot be reused by a new tensor while the stage runs.
+    #: ``id`` of a value this stage computed for itself → (that value, the one the previous stage sent in its
+    #: place): every later call on this stage given the same object gets the received one (a conditioning vector
+    #: or an encoder's output handed to each block). The replaced value is kept so its ``id`` cannot be reused by a
+    #: new tensor while the stage runs.
     substitutes: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
@@ -127,7 +127,7 @@ def remote_unit(dispatcher: "UnitDispatcher", index: int, real: nn.Module, owned
     remote = RemoteUnit(dispatcher, index)
     for name, stages in dispatcher.split.held_inside.items():
         here = [stage for stage in stages if stage in owned]
-        if name.startswith(unit.name + ".") and here:
+        if here and dispatcher.split.block_unit_of(name) is unit:
             relative = name[len(unit.name) + 1:]
             module = real.get_submodule(relative)
             remote.hold(relative, module)
@@ -265,13 +265,16 @@ class UnitDispatcher:
         if output is None:
             output = output_spec(self._meta_output(index, args, kwargs))
             self._shapes.observe(self.name(index), call, output)
-        if isinstance(output, TensorSpec):  # one tensor, as most units return: no tree to map over
-            return self._zeros(output)
-        return tree_map(lambda v: self._zeros(v) if isinstance(v, TensorSpec) else v, output)
+        return self._zeros_for(output)
 
     def stand_in_for(self, module: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
         """Zeros shaped like the output of ``module`` (a meta-device submodule of a unit's copy) for this call."""
-        output = output_spec(self._meta_call(module, name, args, kwargs))
+        return self._zeros_for(output_spec(self._meta_call(module, name, args, kwargs)))
+
+    def _zeros_for(self, output: Any) -> Any:
+        """Zeros for every :class:`TensorSpec` of an output spec, other values as they are."""
+        if isinstance(output, TensorSpec):  # one tensor, as most units return: no tree to map over
+            return self._zeros(output)
         return tree_map(lambda v: self._zeros(v) if isinstance(v, TensorSpec) else v, output)
 
     def _zeros(self, spec: TensorSpec) -> Tensor:

@@ -61,6 +61,10 @@ class StageSplit:
     #: stages: it is held there too (its parameters, in :attr:`parameter_stages`, are shared like tied weights).
     held_inside: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
+    def block_unit_of(self, name: str) -> Unit:
+        """The block unit that contains the module or parameter ``name``."""
+        return next(unit for unit in self.units if unit.block_index is not None and name.startswith(unit.name + "."))
+
     def block_range(self, stage: int) -> range:
         """Indices of the blocks that ``stage`` runs."""
         start = sum(self.blocks_per_stage[:stage])
@@ -101,7 +105,7 @@ def _hold_where_called(root: nn.Module, split: StageSplit, record: SetupRecord) 
     """Modules of a block called from outside it (:attr:`SetupRecord.block_module_calls`) are also held on the
     stages that call them, as a tied weight is held on the stages that read it."""
     for name, phases in record.block_module_calls.items():
-        unit = next(u for u in split.units if u.block_index is not None and name.startswith(u.name + "."))
+        unit = split.block_unit_of(name)
         extra = set(_stages(phases, split.num_stages)) - set(unit.stages)
         if not extra:
             continue

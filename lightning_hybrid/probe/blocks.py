@@ -43,7 +43,6 @@ class BlockList(Sequence[nn.Module]):
         self.parts: tuple[tuple[str, nn.Module], ...] = ((path, container), *more)
         #: The lists' paths joined by ``","`` (what ``HybridStrategy(blocks=...)`` accepts for several lists).
         self.path = ",".join(part for part, _ in self.parts)
-        self.container = container
         self._entries = [(part_path, held, name) for part_path, held in self.parts for name, _ in held.named_children()]
         #: The blocks' names inside their containers, in order.
         self.keys = tuple(name for _, _, name in self._entries)
