@@ -179,6 +179,14 @@ class ThreeLayerMLP(nn.Module):
         return self.down(F.gelu(self.mid(F.gelu(self.up(x)))))
 
 
+class WeightNormalizedMLP(GeluMLP):
+    """Normalizes by hand by its up layer's weight norm: the weight is read outside the layer's own call, which no
+    sharding of it can serve (a sharded weight is a DTensor there)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x) / self.up.weight.norm()))
+
+
 class Conv1D(nn.Module):
     """GPT-2's transposed linear (weight ``[in, out]``, applied as ``x @ w``)."""
 
@@ -236,6 +244,7 @@ def build(style: str) -> nn.Module:
         "nanogpt": lambda: SequentialBlock(NanoGPTAttention(), GeluMLP()),
         "fused_gqa": lambda: SequentialBlock(FusedGQAttention(), GeluMLP()),
         "three_layer_mlp": lambda: SequentialBlock(HFAttention(), ThreeLayerMLP()),
+        "weight_normalized": lambda: SequentialBlock(NanoGPTAttention(), WeightNormalizedMLP()),
         "conv1d": lambda: SequentialBlock(TimmAttention(), ConvMLP()),
         "parallel": ParallelBlock,
         "phi3": lambda: SequentialBlock(SlicedQKVAttention(), GateUpMLP()),

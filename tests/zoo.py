@@ -252,7 +252,7 @@ class PositionTable(nn.Module):
 
 
 class OddPartsBlock(PlainBlock):
-    """:class:`PlainBlock` (3 heads of 8 at width 24) after a :class:`PositionTable`."""
+    """:class:`PlainBlock` (3 heads of 7 at width 21: tp=2 divides neither) after a :class:`PositionTable`."""
 
     def __init__(self, config: SmallConfig) -> None:
         super().__init__(config)
@@ -263,7 +263,7 @@ class OddPartsBlock(PlainBlock):
 
 
 class OddPartsLM(FusedGQALM):
-    """:class:`FusedGQALM`'s trunk of :class:`OddPartsBlock`\ s: tensor parallelism at tp=2 keeps each block's
+    r""":class:`FusedGQALM`'s trunk of :class:`OddPartsBlock`\ s: tensor parallelism at tp=2 keeps each block's
     position table and attention whole and shards its MLP, the embedding and the head
     (``tests/tensor_parallel/test_fallback.py``)."""
 
@@ -315,7 +315,7 @@ ZOO: dict[str, ZooEntry] = {
     "encoder_decoder": ZooEntry(_flow("EncoderDecoderLM"), "n_layers"),
     # not trained by the zoo: a step the pipeline cannot split right, for the setup verification to stop
     "early_exit_sum": ZooEntry(_flow("EarlyExitSumLM"), "n_layers"),
-    "odd_parts": ZooEntry(lambda config: OddPartsLM(SmallConfig(**{"dim": 24, "n_heads": 3, "n_layers": 2,
+    "odd_parts": ZooEntry(lambda config: OddPartsLM(SmallConfig(**{"dim": 21, "n_heads": 3, "n_layers": 2,
                                                                    **config})), "n_layers"),
     # the same family in another configuration: other width and head count, one key/value head, untied head
     "hf_qwen2_mqa": ZooEntry(lambda config: hf.hugging_face_qwen2(

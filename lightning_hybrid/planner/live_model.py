@@ -36,7 +36,7 @@ from lightning_hybrid._compat import tree_flatten
 from lightning_hybrid.probe.blocks import find_block_list
 from lightning_hybrid.tensor_parallel.dataflow import trace_block
 from lightning_hybrid.tensor_parallel.apply import plan_tensor_parallel
-from lightning_hybrid.tensor_parallel.block_plan import PlanEntry, block_tp_overrides, plan_block
+from lightning_hybrid.tensor_parallel.block_plan import PairGroup, PlanEntry, block_tp_overrides, plan_block
 from lightning_hybrid.planner.model import ModelShape
 
 
@@ -125,7 +125,9 @@ def tensor_parallel_obstacles(root: nn.Module, blocks_path: str, block_call: tup
                               check_on: Optional[str] = None) -> dict[int, str]:
     """``{tp: why not}`` for the degrees the tensor-parallel planner refuses for the first block: by structure
     (heads, widths); with ``check_on`` (a device type; every process must call) also by the numeric plan check the
-    strategy runs at setup, each degree on temporary process groups of its size (destroyed after the check)."""
+    strategy runs at setup, each degree on temporary process groups of its size (destroyed after the check). A
+    degree at which a pair of layers could only be sharded with its activations gathered is ruled out too: the
+    cost model divides a block's compute by tp, which does not hold for what then runs whole on every rank."""
     _, blocks = find_block_list(root, blocks_path)
     overrides = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in range(len(blocks))])
     args, kwargs = block_call
@@ -135,13 +137,24 @@ def tensor_parallel_obstacles(root: nn.Module, blocks_path: str, block_call: tup
         if tp == 1:
             continue
         try:
-            plan_block(blocks[0], trace, tp, overrides)
-            if check_on is not None:
+            _, candidates = plan_block(blocks[0], trace, tp, overrides)
+            gathered = [options[0] for options in candidates if all(_gathered_pair(group) for group in options)]
+            if check_on is not None and not gathered:
                 with _temporary_tensor_mesh(check_on, tp) as mesh:
-                    plan_tensor_parallel(root, blocks_path, blocks, block_call, mesh, tp_plan=tp_plan, verify=True)
+                    plan = plan_tensor_parallel(root, blocks_path, blocks, block_call, mesh, tp_plan=tp_plan,
+                                                verify=True)
+                gathered = [group for group in plan.groups if _gathered_pair(group)]
         except (ValueError, RuntimeError) as error:
             obstacles[tp] = f"tensor parallelism: {error}"
+            continue
+        if gathered:
+            obstacles[tp] = (f"tensor parallelism: at tp={tp} no rank can compute a share of the heads between"
+                             f" {gathered[0].layers}; only their weights would be sharded")
     return obstacles
+
+
+def _gathered_pair(group: Any) -> bool:
+    return isinstance(group, PairGroup) and group.gathered and bool(group.rows)
 
 
 _temporary_meshes = itertools.count()

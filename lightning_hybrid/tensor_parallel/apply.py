@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_hybrid._compat import tree_flatten, tree_map
@@ -71,6 +71,10 @@ def _apply_group(block: nn.Module, group: Group, mesh: DeviceMesh, styles: dict[
 
 
 def _apply_pairs(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
+    if group.gathered:  # Hugging Face's colwise_rep / rowwise_rep
+        styles.update({name: ColwiseParallel(output_layouts=Replicate()) for name in group.columns if name not in styles})
+        styles.update({name: RowwiseParallel(input_layouts=Replicate()) for name in group.rows if name not in styles})
+        return
     for name, shard in group.columns.items():
         if name in styles:
             continue  # the user's own ParallelStyle for this layer wins
@@ -151,7 +155,7 @@ def apply_tensor_parallel(
         applied.styles.update({k: v for prefix in prefixes for k, v in plan.describe(prefix).items()})
         keys = [blocks.keys[i] if len(blocks.parts) == 1 else blocks.name(i) for i in indices]
         label = structure_label(blocks_path, keys, len(structures))
-        applied.structures.append(structure_report(blocks[targets[0]], kept, label, len(indices), mesh.size()))
+        applied.structures.append(structure_report(blocks[targets[0]], plan, kept, label, len(indices), mesh.size()))
     for name, entry in outside.items():
         style = style_for(entry)
         if style is not None:

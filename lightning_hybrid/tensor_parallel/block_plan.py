@@ -57,6 +57,9 @@ class PairGroup:
     sizes: dict[int, int] = field(default_factory=dict)
     #: The group's layers whose weight is stored ``(in, out)`` (Hugging Face's ``Conv1D``; see :mod:`.tp_layers`).
     transposed: frozenset[str] = frozenset()
+    #: Weights sharded but activations whole: each column's output is all-gathered, each row reads the whole input
+    #: (Hugging Face's ``colwise_rep``/``rowwise_rep``): right whatever the forward does between them.
+    gathered: bool = False
 
     @property
     def layers(self) -> list[str]:
@@ -109,8 +112,9 @@ class BlockPlan:
             for name, shard in group.columns.items():
                 if name in self.custom:
                     continue
-                described[at + name] = shard.describe()
-            described.update({at + name: "rowwise" for name in group.rows if name not in self.custom})
+                described[at + name] = "colwise (output gathered)" if group.gathered else shard.describe()
+            row_style = "rowwise (input whole)" if group.gathered else "rowwise"
+            described.update({at + name: row_style for name in group.rows if name not in self.custom})
         for group in self.groups:
             described.update({f"{at}{obj}.{attr}" if obj else at + attr: "÷tp" for obj, attr in group.scaled_attributes})
         described.update({at + name: type(style).__name__ for name, style in self.custom.items()})
@@ -139,6 +143,11 @@ def plan_block(
         list(_group_candidates(block, trace, columns, rows, tp_size))
         for columns, rows in _pair_groups(trace, roles)
     ]
+    # A linear layer in no pair (its output read by more than row layers: an adaLN modulation, a state-space
+    # mixer's projections) still gets its weight sharded, its output gathered; not a router (trace.selected).
+    unpaired = [name for name, role in roles.items()
+                if role == "replicate" and name not in overrides and name not in trace.selected]
+    candidates += [[group] for name in unpaired if (group := _gathered_candidate(trace, [name], [], tp_size))]
     return custom, candidates + [_expert_candidates(block, trace, name, tp_size) for name in experts]
 
 
@@ -247,7 +256,23 @@ def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: 
 def _group_candidates(
     block: nn.Module, trace: BlockTrace, columns: list[str], rows: list[str], tp_size: int
 ) -> list[PairGroup]:
-    """All plausible ways to shard one pair group, most likely first."""
+    """All plausible ways to shard one pair group, most likely first; the last one shards the weights with the
+    activations between them gathered (:func:`_gathered_candidate`), for forwards that cannot run on a share of
+    the heads."""
+    gathered = _gathered_candidate(trace, columns, rows, tp_size)
+    try:
+        by_heads = _head_candidates(block, trace, columns, rows, tp_size)
+    except PlanRefusal:
+        if gathered is None:
+            raise
+        by_heads = []
+    return by_heads[:_MAX_TRIALS] + ([gathered] if gathered else [])
+
+
+def _head_candidates(
+    block: nn.Module, trace: BlockTrace, columns: list[str], rows: list[str], tp_size: int
+) -> list[PairGroup]:
+    """The group's shardings by heads: each rank computes its heads between the columns and the rows."""
     group_heads = max((cut.factors[-2] for cut in trace.cuts if cut.linear in columns and len(cut.factors) > 1),
                       default=0)
     try:
@@ -269,7 +294,20 @@ def _group_candidates(
         uneven = {value: size for value, size in sizes.items() if size != value // tp_size}
         for subset in _subsets(likely, doubtful):
             groups.append(PairGroup(columns_map, rows, owner, list(subset), transposed=transposed, sizes=uneven))
-    return groups[:_MAX_TRIALS]
+    return groups
+
+
+def _gathered_candidate(trace: BlockTrace, columns: list[str], rows: list[str], tp: int) -> PairGroup | None:
+    """Every weight of the group sharded, each column's output all-gathered, each row reading its part of the
+    whole input: what runs between them sees the unsharded tensors, so nothing in the forward needs to know (a
+    head size derived from the input width, a norm over the whole projection, a table per head, a state-space
+    scan). ``None`` where tp does not divide a width, or a layer is stored transposed."""
+    linears = [trace.linears[name] for name in [*columns, *rows]]
+    if any(use.transposed for use in linears) or any(trace.linears[name].out_features % tp for name in columns) \
+            or any(trace.linears[name].in_features % tp for name in rows):
+        return None
+    return PairGroup({name: ColumnShard() for name in columns}, rows, _common_owner([*columns, *rows]),
+                     gathered=True)
 
 
 def _common_owner(names: list[str]) -> str:

@@ -81,6 +81,9 @@ class BlockTrace:
     #: Layers holding one matrix whose call is no plain linear map of the last dimension (a router that returns
     #: logits, scores and expert indices): the planner keeps them whole.
     opaque: set[str] = field(default_factory=set)
+    #: Linear layers whose output a discrete choice is made on (top-k routing, argmax): computed in pieces it may
+    #: round differently from one device and choose otherwise, so the planner never shards them alone.
+    selected: set[str] = field(default_factory=set)
 
     def consumers(self, name: str) -> list[str]:
         """Linear layers whose input is computed from ``name``'s output (``"output"`` if the block output is)."""
@@ -133,6 +136,9 @@ class _SourceTracker(TorchFunctionMode):
             self.weight_uses[id(tensors[-1])] = True
 
 
+#: Functions that choose by value (which experts a token goes to).
+_SELECTIONS = {torch.topk, torch.Tensor.topk, torch.argmax, torch.Tensor.argmax, torch.argmin, torch.Tensor.argmin,
+               torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort, torch.kthvalue}
 #: Functions that apply a weight stored ``(in, out)`` as their last matrix operand: ``x @ w``, ``addmm(b, x, w)``.
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.addmm,
             torch.Tensor.addmm}
@@ -205,6 +211,8 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
         tracker.label(output, frozenset({names[module]}))
 
     def record_cut(func: Any, args: tuple, kwargs: dict, out: Any, sources: frozenset[str]) -> None:
+        if func in _SELECTIONS:
+            trace.selected |= {source for source in sources if not source.startswith("arg")}
         if len(sources) == 1 and isinstance(args[0], torch.Tensor):
             cut = _feature_cut(func, args, out, next(iter(sources)), trace)
             if cut is not None:

@@ -28,8 +28,8 @@ Example::
     kept    # [KeptWhole(modules=("pos",), reason="PositionTable with a 2-D parameter is no linear layer ..."),
             #  KeptWhole(modules=("q", "k", "v", "o"), reason="tp=2 does not divide the layout of 'q': ...")]
     apply_block_plan(block, plan, mesh)
-    report = structure_report(block, kept, "model.blocks.*", count=2, tp=2)
-    report.fraction, report.extra_bytes      # 0.4475 (4,704 of 10,512 parameters), 11136
+    report = structure_report(block, plan, kept, "model.blocks.*", count=2, tp=2)
+    report.fraction, report.extra_bytes      # 0.441 (3,612 of 8,190 parameters), 8736
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Callable, Collection, Iterator, Sequence
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid.tensor_parallel.block_plan import BlockPlan, PlanEntry
+from lightning_hybrid.tensor_parallel.block_plan import BlockPlan, PairGroup, PlanEntry
 from lightning_hybrid.tensor_parallel.refusal import PlanRefusal
 
 
@@ -70,6 +70,9 @@ class StructureReport:
     sharded: int
     kept_whole: tuple[KeptWhole, ...] = ()
     extra_bytes: int = 0
+    #: Layers sharded with their activations gathered (no rank can compute a share of the heads there): their
+    #: weights are split, what runs between them is computed whole on every tp rank.
+    gathered: tuple[str, ...] = ()
 
     @property
     def fraction(self) -> float:
@@ -86,6 +89,9 @@ class StructureReport:
         """One console line."""
         line = (f"tensor parallelism (tp={tp}) shards {self.fraction:.1%} of the {self.parameters:,} parameters of"
                 f" {self.block_class} × {self.count} ({self.blocks})")
+        if self.gathered:
+            line += (f"; {', '.join(self.gathered)} sharded with their activations gathered (what runs between them"
+                     " is computed whole on every tp rank)")
         if not self.kept_whole:
             return line
         return (f"{line}; kept whole on every tp rank: {self.kept_text()}; +{format_bytes(self.extra_bytes)} per tp"
@@ -103,7 +109,7 @@ class AppliedPlan(Mapping[str, str]):
 
         plan = trainer.strategy.tp_plan_applied
         [(s.blocks, round(s.fraction, 3), s.kept_text(), s.extra_bytes) for s in plan.structures]
-        # [("model.blocks.*", 0.447, "pos (PositionTable with a 2-D parameter is ...); q, k, v, o (...)", 11136)]
+        # [("model.blocks.*", 0.441, "pos (PositionTable with a 2-D parameter is ...); q, k, v, o (...)", 8736)]
     """
 
     styles: dict[str, str] = field(default_factory=dict)
@@ -158,11 +164,12 @@ def plan_keeping_whole(plan: Callable[[Collection[str]], BlockPlan], explicit: M
             kept.append(KeptWhole(tuple(named), refusal.reason))
 
 
-def structure_report(block: nn.Module, kept: Sequence[KeptWhole], blocks: str, count: int,
+def structure_report(block: nn.Module, plan: BlockPlan, kept: Sequence[KeptWhole], blocks: str, count: int,
                      tp: int) -> StructureReport:
-    """The report of a block structure of ``count`` blocks like ``block`` (tensor parallelism applied to it)."""
+    """The report of a block structure of ``count`` blocks like ``block`` (``plan`` applied to it)."""
     parameters = list(block.parameters())
-    sharded = [p for p in parameters if isinstance(p, DTensor) and any(x.is_shard() for x in p.placements)]
+    # split over the tp ranks, whatever the placement (a strided shard is no Shard to DTensor's is_shard)
+    sharded = [p for p in parameters if isinstance(p, DTensor) and p.to_local().numel() < p.numel()]
     held: dict[int, nn.Parameter] = {}
     for entry in kept:
         for name in entry.modules or ("",):
@@ -170,7 +177,9 @@ def structure_report(block: nn.Module, kept: Sequence[KeptWhole], blocks: str, c
     sharded_ids = {id(p) for p in sharded}
     whole_bytes = sum(p.numel() * p.element_size() for i, p in held.items() if i not in sharded_ids)
     return StructureReport(blocks, type(block).__name__, count, count * sum(p.numel() for p in parameters),
-                           count * sum(p.numel() for p in sharded), tuple(kept), count * whole_bytes * (tp - 1) // tp)
+                           count * sum(p.numel() for p in sharded), tuple(kept), count * whole_bytes * (tp - 1) // tp,
+                           tuple(name for group in plan.groups if isinstance(group, PairGroup) and group.gathered
+                                 for name in group.layers))
 
 
 def structure_label(blocks_path: str, keys: Sequence[str], structures: int) -> str:

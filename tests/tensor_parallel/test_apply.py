@@ -76,7 +76,9 @@ def test_hugging_face_style_pairs_projections_and_offers_leaving_group_counts_al
     assert list(attention[0].columns) == ["attn.q_proj", "attn.k_proj", "attn.v_proj"]
     assert attention[0].rows == ["attn.o_proj"]
     # num_key_value_groups (2) equals the kv head count (2) by value: both "rescale" and "keep" get tried.
-    assert [group.scaled_attributes for group in attention] == [[("attn", "num_key_value_groups")], []]
+    assert [group.scaled_attributes for group in attention] == [[("attn", "num_key_value_groups")], [], []]
+    # ... and last, the weights sharded with the activations between them gathered (nothing rescaled).
+    assert [group.gathered for group in attention] == [False, False, True]
 
 
 def test_parallel_attention_and_mlp_block() -> None:
@@ -84,9 +86,10 @@ def test_parallel_attention_and_mlp_block() -> None:
     assert attention.rows == ["attn.proj"] and mlp.rows == ["mlp.down"]
 
 
-def test_third_linear_of_a_chain_stays_whole() -> None:
-    _, mlp = _first_choice(block_zoo.build("three_layer_mlp"), _x())
-    assert list(mlp.columns) == ["mlp.up"] and mlp.rows == ["mlp.mid"]
+def test_third_linear_of_a_chain_is_sharded_alone_with_its_output_gathered() -> None:
+    _, mlp, third = _first_choice(block_zoo.build("three_layer_mlp"), _x())
+    assert list(mlp.columns) == ["mlp.up"] and mlp.rows == ["mlp.mid"] and not mlp.gathered
+    assert (list(third.columns), third.rows, third.gathered) == (["mlp.down"], [], True)
 
 
 def test_user_override_replicate_removes_a_pair() -> None:
@@ -118,18 +121,22 @@ def test_a_layer_stored_transposed_is_paired_like_a_linear() -> None:
                                                                    {"mlp.c_fc", "mlp.c_proj"})
 
 
-def test_tp_not_dividing_heads_names_the_layer_and_the_heads() -> None:
-    with pytest.raises(ValueError, match=r"tp=8 does not divide the layout of 'attn.qkv'.*4 × 8"):
-        _first_choice(block_zoo.build("timm"), _x(), tp=8)
+def test_tp_not_dividing_heads_leaves_only_the_gathered_layout() -> None:
+    """4 heads over 8 ranks: no rank can hold whole heads, but the widths divide: the weights are sharded and the
+    attention runs on the gathered q|k|v."""
+    block = block_zoo.build("timm")
+    _, candidates = plan_block(block, trace_block(block, (_x(),), {}), 8)
+    attention = candidates[0]
+    assert [(list(group.columns), group.rows, group.gathered) for group in attention] == [
+        (["attn.qkv"], ["attn.proj"], True)]
 
 
-def test_tp_not_dividing_mlp_width() -> None:
+def test_tp_not_dividing_a_width_names_the_layer() -> None:
     block = block_zoo.SequentialBlock(block_zoo.HFAttention(), block_zoo.GeluMLP())
     block.mlp.up, block.mlp.down = nn.Linear(32, 36), nn.Linear(36, 32)
-    with pytest.raises(ValueError, match=r"tp=8 does not divide the layout of 'attn.q_proj'"):
+    with pytest.raises(ValueError, match=r"'mlp.up': it has 36 output features") as caught:
         _first_choice(block, _x(), tp=8)
-    with pytest.raises(ValueError, match=r"'mlp.up': it has 36 output features"):
-        _first_choice(block, _x(), tp=8, overrides={f"attn.{n}": "replicate" for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    assert caught.value.modules == ("mlp.up", "mlp.down")  # type: ignore[attr-defined]
 
 
 def test_fused_projection_with_unequal_pieces_deals_query_heads_and_their_key_value_groups() -> None:
@@ -266,15 +273,18 @@ def _refused_when_strict_else_kept_whole(rank: int, results: dict, style: str) -
 
 @pytest.mark.slow
 def test_plan_that_changes_the_output_is_refused_with_the_fix_when_strict_else_kept_whole() -> None:
-    # nanoGPT derives the head size from the input width, which stays global: no layout of c_attn can work.
-    results = on_two_ranks(_refused_when_strict_else_kept_whole, "nanogpt")
-    assert re.search(r"plan check failed for SequentialBlock.*'blocks\.\*\.attn\.c_attn': 'replicate'",
+    # The MLP reads its up layer's weight outside the layer's call: no sharding of it computes the same. The
+    # attention derives its head size from the input width (nanoGPT), which stays global: no rank can compute a
+    # share of the heads, so its weights are sharded with q|k|v gathered.
+    results = on_two_ranks(_refused_when_strict_else_kept_whole, "weight_normalized")
+    assert re.search(r"plan check failed for SequentialBlock.*'blocks\.\*\.mlp\.up': 'replicate'",
                      results["refusal"])
-    # by default the attention stays whole on both ranks, the MLP is sharded, and the block computes the same
+    # by default the MLP stays whole on both ranks, the attention is sharded, and the block computes the same
     (structure,) = results["plan"].structures
-    assert structure.kept_whole[0].modules == ("attn.c_attn", "attn.c_proj")
+    assert structure.kept_whole[0].modules == ("mlp.up", "mlp.down")
     assert structure.kept_whole[0].reason.startswith("the plan check: sharding them changes the block's output")
-    assert results["plan"]["blocks.*.mlp.down"] == "rowwise" and "blocks.*.attn.c_attn" not in results["plan"]
+    assert results["plan"]["blocks.*.attn.c_attn"] == "colwise (output gathered)"
+    assert results["plan"]["blocks.*.attn.c_proj"] == "rowwise (input whole)" and "blocks.*.mlp.up" not in results["plan"]
     assert results["output"] < 1e-5 and results["input_grad"] < 1e-5 and results["param_grad"] < 1e-5
 
 
@@ -323,8 +333,10 @@ def test_key_value_heads_fewer_than_ranks_are_shared_by_the_ranks_of_their_query
     assert attention.per_rank(config.n_kv_heads, 4) == 1 and attention.per_rank(config.n_heads, 4) == 1
 
 
-def test_tp_not_dividing_query_heads_names_the_layer() -> None:
+def test_tp_not_dividing_query_heads_shards_the_weights_with_the_heads_gathered() -> None:
     config = LlamaConfig()
     rope = rope_tables(8, config.dim // config.n_heads, config.rope_theta)
-    with pytest.raises(ValueError, match=r"tp=8 does not divide the layout of 'attention.wq'.*4 × 8"):
-        _first_choice(LlamaBlock(config), torch.randn(2, 8, config.dim), rope, tp=8)
+    attention, mlp = _first_choice(LlamaBlock(config), torch.randn(2, 8, config.dim), rope, tp=8)
+    assert (list(attention.columns), attention.rows, attention.gathered) == (
+        ["attention.wq", "attention.wk", "attention.wv"], ["attention.wo"], True)
+    assert not mlp.gathered and attention.scaled_attributes == []

@@ -2,8 +2,9 @@
 whole on every tensor-parallel rank, the run trains to single-process Lightning's numbers, and the report says
 what was kept whole, why, and what it costs; ``tp_strict=True`` refuses as before.
 
-The model (``odd_parts`` of ``tests/zoo.py``): 2 blocks of width 24, each a learned position table (16 × 24, no
-linear layer), attention with 3 heads of 8 (q, k, v, o, tp=2 does not divide 3 heads) and an MLP 24 → 48 → 24.
+The model (``odd_parts`` of ``tests/zoo.py``): 2 blocks of width 21, each a learned position table (16 × 21, no
+linear layer), attention with 3 heads of 7 (q, k, v, o: tp=2 divides neither the heads nor the width, so not even
+the gathered layout fits) and an MLP 21 → 42 → 21.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from lightning_hybrid.tensor_parallel.refusal import PlanCheckFailed, PlanRefusa
 from tests.helpers import SHORT_RUN, assert_equivalent, on_two_ranks, run_script
 
 # The report's numbers, by hand from the layer shapes (per block; 2 blocks; fp32, 4 bytes; tp=2).
-DIM, HIDDEN, SEQ, BLOCKS = 24, 48, 16, 2
+DIM, HIDDEN, SEQ, BLOCKS = 21, 42, 16, 2
 NORMS = 2 * (2 * DIM)  # two LayerNorms, weight and bias
 ATTENTION = 4 * (DIM * DIM + DIM)  # q, k, v, o with biases: kept whole (3 heads)
 TABLE = SEQ * DIM  # the position table: kept whole (no linear layer)
@@ -34,7 +35,7 @@ EXTRA_BYTES = BLOCKS * (ATTENTION + TABLE) * 4 // 2  # their bytes × (1 - 1/tp)
 
 
 def test_the_hand_counts_add_up() -> None:
-    assert (PER_BLOCK, MLP_SHARDED, EXTRA_BYTES) == (5256, 2352, 11136)
+    assert (PER_BLOCK, MLP_SHARDED, EXTRA_BYTES) == (4095, 1806, 8736)
 
 
 # ------------------------------------------------------------------------------------------ the fallback's stages
@@ -67,6 +68,14 @@ def test_a_refusal_naming_no_module_keeps_the_whole_block() -> None:
     assert StructureReport("b.*", "Block", 2, 10, 0, tuple(kept)).kept_text() == "pos (no linear); the whole block (full)"
 
 
+def test_the_report_names_the_layers_sharded_with_their_activations_gathered() -> None:
+    report = StructureReport("b.*", "Block", 2, 100, 90, (KeptWhole(("pos",), "no linear"),), 40, ("q", "o"))
+    assert report.describe(2) == (
+        "tensor parallelism (tp=2) shards 90.0% of the 100 parameters of Block × 2 (b.*); q, o sharded with their"
+        " activations gathered (what runs between them is computed whole on every tp rank); kept whole on every tp"
+        " rank: pos (no linear); +40 B per tp rank. HybridStrategy(tp_strict=True) refuses instead.")
+
+
 @pytest.mark.parametrize(("explicit", "strict"), [({}, True), ({"q": "colwise"}, False)])
 def test_strict_or_a_style_the_user_gave_refuses(explicit: dict, strict: bool) -> None:
     plan, _ = _planner([PlanCheckFailed("the check failed for q", ["q", "o"], "check")])
@@ -94,7 +103,7 @@ def test_refusals_name_the_modules_and_stay_the_errors_they_were() -> None:
     with pytest.raises(ValueError, match=r"cannot shard PositionTable 'pos'") as caught:
         plan_block(block, trace_block(block, (x,), {}), 2)
     assert caught.value.modules == ("pos",)  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match=r"tp=2 does not divide the layout of 'q': .*3 × 8") as caught:
+    with pytest.raises(ValueError, match=r"tp=2 does not divide the layout of 'q': .*3 × 7") as caught:
         plan_block(block, trace_block(block, (x,), {}), 2, {"pos": "replicate"})
     assert caught.value.modules == ("q", "k", "v", "o")  # type: ignore[attr-defined]
     assert isinstance(PlanCheckFailed("x"), RuntimeError)  # what the plan check raised before
@@ -166,10 +175,10 @@ def test_what_tp_cannot_shard_stays_whole_and_trains_like_one_process(odd_parts_
     (structure,) = plan.structures
     assert (structure.blocks, structure.block_class, structure.count) == ("model.blocks.*", "OddPartsBlock", 2)
     assert (structure.parameters, structure.sharded) == (BLOCKS * PER_BLOCK, BLOCKS * MLP_SHARDED)
-    assert structure.fraction == pytest.approx(2352 / 5256)
+    assert structure.fraction == pytest.approx(1806 / 4095)
     assert [kept.modules for kept in structure.kept_whole] == [("pos",), ("q", "k", "v", "o")]
     assert structure.kept_whole[0].reason == "PositionTable with a 2-D parameter is no linear layer the planner recognizes"
-    assert structure.kept_whole[1].reason == "tp=2 does not divide the layout of 'q': its output is reshaped into 3 × 8"
+    assert structure.kept_whole[1].reason == "tp=2 does not divide the layout of 'q': its output is reshaped into 3 × 7"
     assert structure.extra_bytes == EXTRA_BYTES and plan.vocab == ""
     # each tp rank holds the whole attention and table, half of the MLP's sharded parameters
     ranks = odd_parts_runs["tp2"]["rank_local_shapes"]
@@ -184,12 +193,12 @@ def test_the_report_is_logged_once_and_written_to_tensorboard(odd_parts_runs: di
     log = (odd_parts_runs["folder"] / "tp2.rank0.log").read_text()
     lines = [line for line in log.splitlines() if "tensor parallelism (tp=2) shards" in line]
     assert len(lines) == 1, log[-3000:]
-    assert ("shards 44.7% of the 10,512 parameters of OddPartsBlock × 2 (model.blocks.*); kept whole on every tp"
+    assert ("shards 44.1% of the 8,190 parameters of OddPartsBlock × 2 (model.blocks.*); kept whole on every tp"
             " rank: pos (PositionTable with a 2-D parameter") in lines[0]
-    assert "q, k, v, o (tp=2 does not divide the layout of 'q'" in lines[0] and "+10.9 KiB per tp rank" in lines[0]
+    assert "q, k, v, o (tp=2 does not divide the layout of 'q'" in lines[0] and "+8.5 KiB per tp rank" in lines[0]
     assert "tensor parallelism (tp=2) shards" not in (odd_parts_runs["folder"] / "tp2.rank1.log").read_text()
     events = EventAccumulator(str(Path(odd_parts_runs["folder"]) / "tb" / "version_0"))
     events.Reload()
     text = events.Tensors("run/tp_plan/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert "| `model.blocks.*` | 2 × OddPartsBlock | 10,512 | 44.7% | pos (PositionTable" in text
-    assert text.rstrip().endswith("| 10.9 KiB |")
+    assert "| `model.blocks.*` | 2 × OddPartsBlock | 8,190 | 44.1% | pos (PositionTable" in text
+    assert text.rstrip().endswith("| 8.5 KiB |")

@@ -136,9 +136,10 @@ def test_blocks_that_differ_in_structure_are_found_as_one_list_and_planned_apart
     args, kwargs = record_step(model, blocks, lambda: model(torch.randint(0, 64, (2, 16)))).block_calls[1]
     groups = _first_choice(blocks[1], *args)
     pairs = [(list(group.columns), group.rows) for group in groups]
-    # every expert's MLP is a column/row pair; the router feeds no row layer and stays whole
+    # every expert's MLP is a column/row pair; the router's logits choose experts (top-k): it stays whole
     assert (["experts.3.up"], ["experts.3.down"]) in pairs
     assert not any("router" in name for group in groups for name in group.layers)
+    assert trace_block(blocks[1], args, kwargs).selected == {"router"}
 
 
 def test_stacked_expert_weights_are_sharded_along_each_experts_hidden_width() -> None:
