@@ -108,6 +108,26 @@ class FusedGQAttention(nn.Module):
         return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
 
 
+class GroupedQKVAttention(nn.Module):
+    """One fused projection laid out per key/value group (Megatron's, ChatGLM's ``query_key_value``): for each of
+    the 2 groups its 2 query heads, then its key and its value head (q q k v | q q k v)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_kv, self.per_group, self.head_dim = HEADS // 2, 2, DIM // HEADS
+        self.query_key_value = nn.Linear(DIM, self.n_kv * (self.per_group + 2) * self.head_dim)
+        self.dense = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T = x.shape[:2]
+        grouped = self.query_key_value(x).view(B, T, self.n_kv, (self.per_group + 2) * self.head_dim)
+        q, k, v = grouped.split((self.per_group * self.head_dim, self.head_dim, self.head_dim), dim=-1)
+        q = q.reshape(B, T, -1, self.head_dim).transpose(1, 2)
+        k = k.transpose(1, 2).repeat_interleave(self.per_group, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(self.per_group, dim=1)
+        return self.dense(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
+
+
 class SlicedQKVAttention(nn.Module):
     """Phi-3 style: one fused ``qkv_proj`` of unequal pieces cut by slicing with sizes read from a config object,
     ``num_key_value_groups`` query heads per key/value head (``repeat_interleave``)."""
@@ -250,4 +270,5 @@ def build(style: str) -> nn.Module:
         "phi3": lambda: SequentialBlock(SlicedQKVAttention(), GateUpMLP()),
         "phi3_mqa": lambda: SequentialBlock(SlicedQKVAttention(kv_heads=1), GateUpMLP()),
         "mqa": lambda: SequentialBlock(MultiQueryAttention(), GeluMLP()),
+        "grouped_qkv": lambda: SequentialBlock(GroupedQKVAttention(), GeluMLP()),
     }[style]()

@@ -54,6 +54,8 @@ CASES: dict[str, tuple[str, ...]] = {
     "hf_deepseek_v3": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "hf_qwen3_moe": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "hf_olmo2": ("dp2", "tp2", "pp2", "tp2_pp2"),
+    "hf_gpt_oss": ("dp2", "tp2", "pp2", "tp2_pp2"),
+    "litgpt": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "hf_swin": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "peft_lora": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "two_lists": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
@@ -162,7 +164,35 @@ def test_zoo_embedding_and_head_are_sharded_over_the_vocabulary(model: str, layo
 TP_SHARE = 0.85
 #: ... except where a fused q|k|v has fewer key/value heads than q heads: its weight stays whole on every rank,
 #: each rank computing its rows of it (sharing a layout of the weight by heads is impossible there).
-TP_SHARE_LOWER = {"fused_gqa": 0.65, "hf_phi3": 0.75}
+TP_SHARE_LOWER = {"fused_gqa": 0.65, "hf_phi3": 0.75, "litgpt": 0.75}
+
+
+#: How tp2 shards what the planner refused before (by structure; a pattern per family).
+TP_STYLES = {
+    # a norm over the whole q/k projection: DTensor computes it on the shards (its mean summed over the ranks)
+    "hf_olmo2": {"model.model.layers.*.self_attn.q_proj": "colwise", "model.model.layers.*.self_attn.q_norm":
+                 "SequenceParallel"},
+    # a learned logit per head, a relative position table per head: sharded with the heads
+    "hf_gpt_oss": {"model.model.layers.*.self_attn.sinks": "per head (dim 0)",
+                   "model.model.layers.*.mlp.experts": "experts (gate_up_proj dim 2, gate_up_proj_bias dim 1,"
+                                                       " down_proj dim 1, down_proj_bias whole (added by one rank))"},
+    "hf_swin": {"model.swin.encoder.layers.0.blocks.0.attention.relative_position_bias.relative_position_bias_table":
+                "per head (dim 1)", "model.swin.encoder.layers.0.blocks.0.attention.q_proj": "colwise"},
+    # head sizes derived from the input width (no rank can compute a share of the heads): gathered
+    "encoder_decoder": {"model.decoder.0.cross.k": "colwise (output gathered)",
+                        "model.decoder.0.cross.out": "rowwise (input whole)"},
+    # low-rank attention: gathered; a state-space mixer's projections, an adaLN modulation: sharded alone
+    "hf_deepseek_v3": {"model.model.layers.1.self_attn.kv_a_proj_with_mqa": "colwise (output gathered)"},
+    "hf_mamba": {"model.backbone.layers.*.mixer.in_proj": "colwise (output gathered)"},
+    "diffusers_dit": {"model.dit.transformer_blocks.*.norm1.linear": "colwise (output gathered)"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(TP_STYLES))
+def test_zoo_tp_shards_by_structure_what_was_refused(model: str, zoo_runs) -> None:
+    plan = zoo_runs("tp2")[model]["tp_plan"]
+    assert {name: plan.get(name) for name in TP_STYLES[model]} == TP_STYLES[model]
 
 
 @pytest.mark.slow
@@ -203,15 +233,9 @@ def test_blocks_in_a_module_dict_are_found_by_structure() -> None:
 #: Family × layout → what tensor parallelism keeps whole on every tp rank there (the README's note; the first
 #: block's modules the report names) and the refusal ``tp_strict=True`` gives instead.
 KEPT_WHOLE: dict[tuple[str, str], tuple[str, tuple[str, ...], str]] = {
-    (model, layout): ("block 0's position bias and attention kept whole over tp",
-                      ("layer.0.SelfAttention.relative_attention_bias",),
-                      r"cannot shard Embedding 'layer\.0\.SelfAttention\.relative_attention_bias'.*tp_plan=")
-    for model in ("hf_t5_encoder",) for layout in ("tp2", "tp2_pp2", "dp2_tp2_pp2")
-} | {
     (model, layout): (note, modules, refusal) for model, (note, modules, refusal) in {
-        "hf_mamba": ("the Mamba mixer kept whole over tp", ("mixer",), r"cannot shard MambaMixer 'mixer'"),
-        "hf_swin": ("relative position tables kept whole over tp", ("blocks.0.attention.relative_position_bias",),
-                    r"cannot shard SwinRelativePositionBias"),
+        "hf_mamba": ("the mixer's scan parameters and convolution kept whole over tp, its projections gathered",
+                     ("mixer",), r"cannot shard MambaMixer 'mixer'"),
         "diffusers_dit": ("the class-label table kept whole over tp", ("norm1.emb.class_embedder.embedding_table",),
                           r"cannot shard Embedding 'norm1\.emb\.class_embedder\.embedding_table'"),
     }.items() for layout in CASES[model]
@@ -243,6 +267,9 @@ DESCRIPTIONS = {
                       " expert)",
     "hf_qwen3_moe": "Hugging Face Qwen3-MoE (per-head q/k norms, every block a mixture of experts)",
     "hf_olmo2": "Hugging Face OLMo 2 (q/k RMSNorm over the whole projection width)",
+    "hf_gpt_oss": "Hugging Face GPT-OSS (attention sinks, sliding/full attention, experts with biases and"
+                  " interleaved gate|up)",
+    "litgpt": "litgpt's own GPT (`transformer = ModuleDict(wte, h, ln_f)`, fused q|k|v with grouped queries)",
     "hf_swin": "Hugging Face Swin on tokens as an image (hierarchical stages, patch merging, relative position"
                " tables)",
     "peft_lora": "PEFT LoRA on a Hugging Face Llama (frozen base, adapters on q/v and the MLP's down projection)",

@@ -307,10 +307,11 @@ ZOO: dict[str, ZooEntry] = {
     "hf_deepseek_v3": ZooEntry(hf.hugging_face_deepseek_v3, "num_hidden_layers"),
     "hf_qwen3_moe": ZooEntry(hf.hugging_face_qwen3_moe, "num_hidden_layers"),
     "hf_olmo2": ZooEntry(hf.hugging_face_olmo2, "num_hidden_layers"),
+    "hf_gpt_oss": ZooEntry(hf.hugging_face_gpt_oss, "num_hidden_layers"),
     "hf_swin": ZooEntry(hf.TokensAsImageSwin, "layers"),
     "diffusers_dit": ZooEntry(hf.TokensAsLatentsDiT, "layers"),
     "peft_lora": ZooEntry(hf.peft_lora_llama, "num_hidden_layers"),
-    "litgpt": ZooEntry(hf.litgpt_gpt, "n_layer"),  # tried by hand: see its builder
+    "litgpt": ZooEntry(hf.litgpt_gpt, "n_layer"),
     "two_lists": ZooEntry(_flow("ConditionedTwoListLM"), "n_layers"),
     "encoder_decoder": ZooEntry(_flow("EncoderDecoderLM"), "n_layers"),
     # not trained by the zoo: a step the pipeline cannot split right, for the setup verification to stop

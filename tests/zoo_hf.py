@@ -181,6 +181,19 @@ def hugging_face_olmo2(config: dict[str, Any]) -> nn.Module:
     return Olmo2ForCausalLM(Olmo2Config(**{**settings, **config}))
 
 
+def hugging_face_gpt_oss(config: dict[str, Any]) -> nn.Module:
+    """``GptOssForCausalLM``: attention sinks (a learned logit per head), sliding and full attention alternating,
+    experts with biases and interleaved gate|up columns (``gate_up_proj[..., ::2]``), a router with a bias."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    settings = dict(_DECODER, intermediate_size=32, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, use_cache=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    layers = config.get("num_hidden_layers", settings["num_hidden_layers"])
+    settings["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
+    return GptOssForCausalLM(GptOssConfig(**{**settings, **config}))
+
+
 class TokensAsImageSwin(nn.Module):
     """An unmodified hierarchical ``SwinModel`` on the tokens as a 16×16 image of embeddings (4×4 patches of a
     token each, windows of 2×2 patches, a patch-merging step between its two stages), a linear head per token
@@ -257,7 +270,7 @@ def peft_lora_llama(config: dict[str, Any]) -> nn.Module:
 def litgpt_gpt(config: dict[str, Any]) -> nn.Module:
     """litgpt's own ``GPT`` (Lightning's LLM library; ``transformer = ModuleDict(wte=..., h=..., ln_f=...)``), a
     Llama-style configuration. Not in the test extra: litgpt 0.5 pins ``huggingface-hub<1.4``, which transformers 5
-    excludes; installed without its dependencies (it needs ``psutil``) it is tried by hand (issue 29's note)."""
+    excludes, so the test command installs it without its dependencies (its model code needs none we lack)."""
     from litgpt.config import Config
     from litgpt.model import GPT
 

@@ -129,14 +129,15 @@ def setup_probe(trainer: Trainer, module: nn.Module, blocks: BlockList,
     loaders) and the :class:`~lightning_hybrid.probe.step_probe.StepProbe` of the current step on its first batch,
     converted as Lightning's loop converts it (see the module docstring)."""
     batch = SetupBatch(trainer)
-    prepared: list[Any] = []
+    prepared: dict[bool, Any] = {}  # on the meta device while the model is, on the device once it has values
 
     def run_on(work: Callable[[Any], Any]) -> Any:
-        if not prepared:
-            prepared.append(_converted(trainer, module, batch.batch, device))
+        meta = any(p.is_meta for p in module.parameters())
+        if meta not in prepared:
+            prepared[meta] = _converted(trainer, module, batch.batch, device)
         context = getattr(trainer.strategy.precision_plugin, batch.context_name)
         with context(), muted_logs(module):
-            return work(prepared[0])
+            return work(prepared[meta])
 
     def run_step(microbatches: int) -> Any:
         return run_on(lambda whole: getattr(module, batch.step_name)(

@@ -99,8 +99,10 @@ class HybridOptions:
         verify_tp_plan: Run one block unsharded and sharded at setup and refuse a plan whose outputs differ.
         verify_pipeline: With pp > 1, run the first batch's training step pipelined and unsplit at setup (loss and
             every gradient, dropout off) and refuse a pipeline whose numbers differ, or a step that microbatching
-            changes (BatchNorm, a loss coupling a batch's samples); costs one extra step with the whole model on
-            each rank at setup. Not done for a model on the meta device.
+            changes (BatchNorm, a loss coupling a batch's samples); then, once the weights are in place, run it
+            pipelined with NaN in what stands in for other stages and refuse a stage that computes with it (the
+            check a model on the meta device gets). Costs one step with the whole model on each rank and two
+            pipelined steps at setup.
         tp_strict: Where tensor parallelism cannot shard part of a block correctly (a matrix parameter in no linear
             layer the planner recognizes, a head count or width tp does not divide, a sharding the plan check finds
             changes the block's output), ``False`` (default) keeps those modules whole on every tp rank — as

@@ -25,7 +25,10 @@
    it runs on the first batch is the one training will run; compared with the unsplit step taken in step 1 on the
    same (initial) weights (:mod:`lightning_hybrid.pipeline.verify`) — before pretrained weights replace them;
 8. **pretrained weights** (``weights=``): a Hugging Face checkpoint is read into the final shards, each rank
-   reading only its slices of each tensor, so no rank ever holds the whole model.
+   reading only its slices of each tensor, so no rank ever holds the whole model;
+9. **stand-in check** (``verify_pipeline``): the pipelined step once more with NaN in what stands in for other
+   stages' units, which no correct split computes with; last, so that a model with no unsplit step (meta device,
+   pretrained weights) is checked on real values.
 
 Example::
 
@@ -67,7 +70,7 @@ from lightning_hybrid.tensor_parallel.apply import apply_tensor_parallel
 from lightning_hybrid.tensor_parallel.fallback import AppliedPlan
 from lightning_hybrid.tensor_parallel.vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
 from lightning_hybrid.pipeline.runtime import Pipeline, build_pipeline
-from lightning_hybrid.pipeline.verify import check_pipeline, tolerance
+from lightning_hybrid.pipeline.verify import check_pipeline, check_stand_ins, checkable, tolerance
 from lightning_hybrid.options.schedules import PipelineSchedule
 
 @dataclass
@@ -116,12 +119,15 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     # 6. materialization
     skip = loaded_names(module, options.weights) if options.weights is not None else ()
     apply_materialization(module, torch.device("cpu") if options.offload else device, recorded, skip)
-    # 7. pipeline verification
+    # 7. pipeline verification against the unsplit step
     if result.pipeline is not None and result.pipeline.unsplit is not None:
         apply_pipeline_check(result.pipeline, probe, data_mesh if dims.data_parallel_size > 1 else None, precision)
     # 8. pretrained weights, read into the shards in place (needs the final layout: each rank reads its slices)
     if options.weights is not None:
         load_pretrained(module, options.weights)
+    # 9. no stage computes with a stand-in (the check a model without an unsplit step still gets)
+    if result.pipeline is not None and options.verify_pipeline and checkable(probe):
+        apply_stand_in_check(result.pipeline, probe)
     return result
 
 
@@ -136,6 +142,14 @@ def apply_pipeline_check(pipeline: Pipeline, probe: StepProbe, data_mesh: Option
     rank_zero_info(f"HybridStrategy: pipeline verified on the first batch against the unsplit step (largest relative"
                    f" difference {difference:.2g}, tolerance {allowed:g}) in {seconds:.2f} s"
                    " (verify_pipeline=False skips this)")
+
+
+def apply_stand_in_check(pipeline: Pipeline, probe: StepProbe) -> None:
+    """One pipelined step with NaN standing in for other stages' units (:func:`check_stand_ins`); its cost logged."""
+    start = time.perf_counter()
+    check_stand_ins(pipeline, probe)
+    rank_zero_info(f"HybridStrategy: no pipeline stage computes with what stands in for another stage's blocks"
+                   f" (checked in {time.perf_counter() - start:.2f} s; verify_pipeline=False skips this)")
 
 
 def modules_called_outside(module: nn.Module, probe: StepProbe) -> list[nn.Module]:
@@ -225,7 +239,8 @@ def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: BlockList,
         rank_zero_info(f"HybridStrategy: {pipeline.measured_split.describe()}")
     if verify and pipeline.unsplit is None:
         rank_zero_info("HybridStrategy: the pipeline is not verified against the unsplit step (the model is on the"
-                       " meta device, or setup does not run a training step)")
+                       " meta device, or setup does not run a training step); a meta-device model's pipeline is"
+                       " checked for stand-ins used once its values exist")
     return pipeline
 
 

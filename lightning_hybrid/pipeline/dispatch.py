@@ -31,8 +31,9 @@ Example::
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -180,6 +181,17 @@ class UnitDispatcher:
         self._compute_dtype = compute_dtype
         self.active: Optional[ActiveStage] = None
         self._ghosts: dict[int, Tensor] = {}
+        self._fill = 0.0  # what stand-ins hold: zeros, NaN while the verification looks for their use
+
+    @contextmanager
+    def stand_ins_filled_with(self, value: float) -> Iterator[None]:
+        """Stand-ins and values read off other ranks' units hold ``value`` instead of zeros meanwhile: with NaN,
+        any use of one in what this stage computes for real shows in its loss or gradients."""
+        self._fill, self._ghosts = value, {}
+        try:
+            yield
+        finally:
+            self._fill, self._ghosts = 0.0, {}
 
     def name(self, index: int) -> str:
         return self.split.units[index].name
@@ -192,7 +204,8 @@ class UnitDispatcher:
         and dtype on this device, a submodule as a :class:`RemoteView`, anything else as it is."""
         if isinstance(value, Tensor):
             if id(value) not in self._ghosts:
-                self._ghosts[id(value)] = torch.zeros((), dtype=value.dtype, device=self._device).expand(value.shape)
+                fill = self._fill if value.is_floating_point() else 0
+                self._ghosts[id(value)] = torch.full((), fill, dtype=value.dtype, device=self._device).expand(value.shape)
             return self._ghosts[id(value)]
         if isinstance(value, nn.Module):
             return RemoteView(self, value, name)
@@ -265,22 +278,24 @@ class UnitDispatcher:
         if output is None:
             output = output_spec(self._meta_output(index, args, kwargs))
             self._shapes.observe(self.name(index), call, output)
-        return self._zeros_for(output)
+        return self._stand_in_values(output)
 
     def stand_in_for(self, module: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
         """Zeros shaped like the output of ``module`` (a meta-device submodule of a unit's copy) for this call."""
-        return self._zeros_for(output_spec(self._meta_call(module, name, args, kwargs)))
+        return self._stand_in_values(output_spec(self._meta_call(module, name, args, kwargs)))
 
-    def _zeros_for(self, output: Any) -> Any:
+    def _stand_in_values(self, output: Any) -> Any:
         """Zeros for every :class:`TensorSpec` of an output spec, other values as they are."""
         if isinstance(output, TensorSpec):  # one tensor, as most units return: no tree to map over
-            return self._zeros(output)
-        return tree_map(lambda v: self._zeros(v) if isinstance(v, TensorSpec) else v, output)
+            return self._stand_in_tensor(output)
+        return tree_map(lambda v: self._stand_in_tensor(v) if isinstance(v, TensorSpec) else v, output)
 
-    def _zeros(self, spec: TensorSpec) -> Tensor:
+    def _stand_in_tensor(self, spec: TensorSpec) -> Tensor:
         # Floating outputs in the compute dtype, as FSDP2's mixed-precision policy makes a real unit's.
-        dtype = self._compute_dtype if self._compute_dtype is not None and spec.dtype.is_floating_point else spec.dtype
-        return torch.zeros(spec.shape, dtype=dtype, device=self._device)
+        if not spec.dtype.is_floating_point:
+            return torch.zeros(spec.shape, dtype=spec.dtype, device=self._device)
+        dtype = self._compute_dtype if self._compute_dtype is not None else spec.dtype
+        return torch.full(spec.shape, self._fill, dtype=dtype, device=self._device)
 
     def _meta_output(self, index: int, args: tuple, kwargs: dict) -> Any:
         return self._meta_call(self._shadows[index], self.name(index), args, kwargs)

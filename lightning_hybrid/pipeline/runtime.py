@@ -248,10 +248,12 @@ class Pipeline:
         return loss if isinstance(loss, Tensor) and loss.numel() == 1 else torch.zeros((), device=self._device)
 
     # ---------------------------------------------------------------------------------------- one step
-    def check_step(self, batch: Any) -> tuple[Any, list[tuple[nn.Parameter, Optional[Tensor]]]]:
+    def check_step(self, batch: Any, stand_in: float = 0.0) -> tuple[Any, list[tuple[nn.Parameter, Optional[Tensor]]]]:
         """One training step on ``batch`` for :mod:`~lightning_hybrid.pipeline.verify`: its combined output and each
-        parameter's gradient, set aside and not kept; its logs and metric calls dropped."""
-        output = self.run_step("training_step", batch, 0, replay=False)
+        parameter's gradient, set aside and not kept; its logs and metric calls dropped. What stands in for other
+        stages' units holds ``stand_in``."""
+        with self._dispatcher.stand_ins_filled_with(stand_in):
+            output = self.run_step("training_step", batch, 0, replay=False)
         gradients, self._step_gradients = self._step_gradients, []
         return output, gradients
 

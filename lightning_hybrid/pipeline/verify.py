@@ -15,6 +15,11 @@ the whole pipeline is checked at setup, before any optimizer step, on the batch 
    microbatches, forward and backward, its logs and metric calls dropped, random streams and buffers restored);
    its loss and every gradient are compared with the unsplit step's, over all ranks. A difference stops the run
    on every rank with one message naming the stage and the value.
+3. :func:`check_stand_ins`, also where no unsplit step exists (a meta-device model, pretrained weights loaded
+   into the shards): the pipelined step once more with NaN in everything that stands in for another stage's
+   units. A correct split never computes with a stand-in (what a stage needs from earlier stages arrives in its
+   messages), so its loss and gradients stay finite; a stage whose step reads a value that does not reach it
+   turns NaN, whatever the weights (a zero-initialized gate would hide a zero stand-in from step 2, not NaN).
 
 Dropout is switched off in both runs (each stage draws its own masks: :class:`NoDropout`). The cost (one unsplit
 step with its backward, one forward per microbatch, one pipelined step) is logged; ``verify_pipeline=False``
@@ -133,11 +138,15 @@ def _check_microbatching(probe: StepProbe, whole: float, microbatches: int) -> N
         )
 
 
+def checkable(probe: StepProbe) -> bool:
+    """Whether setup runs a training step the pipeline can be checked on (:func:`check_stand_ins`)."""
+    return probe.can_run_on and probe.step_name == "training_step"
+
+
 def verifiable(probe: StepProbe) -> bool:
-    """Whether the pipeline can be verified against the unsplit step: a training step the probe can run on a
-    model that has values (not on the meta device)."""
-    return (probe.can_run_on and probe.step_name == "training_step"
-            and not any(p.is_meta for p in probe.root.parameters()))
+    """Whether the pipeline can also be verified against the unsplit step: a model that has values (not on the
+    meta device)."""
+    return checkable(probe) and not any(p.is_meta for p in probe.root.parameters())
 
 
 def held_parameter_names(root: nn.Module, split: StageSplit, stage_ids: Collection[int]) -> set[str]:
@@ -182,6 +191,36 @@ def check_pipeline(pipeline: Any, probe: StepProbe, reference: UnsplitStep, data
     if wrong:
         raise PipelineMismatch(_mismatch_message(pipeline, wrong, tolerance))
     return max(largest for _, _, largest in everyone)
+
+
+def check_stand_ins(pipeline: Any, probe: StepProbe) -> None:
+    """One pipelined training step on the probe's batch with NaN in every stand-in (see the module docstring);
+    raises :class:`PipelineMismatch` on every rank if the loss or a gradient is not finite on some rank."""
+    with probe.isolated(), NoDropout():
+        output, gradients = probe.run_on(lambda batch: pipeline.check_step(batch, stand_in=float("nan")))
+    names = {id(p): name for name, p in pipeline.module.named_parameters(remove_duplicate=False)}
+    bad = [] if bool(torch.isfinite(step_loss(output).detach()).all()) else ["loss"]
+    for parameter, gradient in gradients:
+        local = gradient.to_local() if isinstance(gradient, DTensor) else gradient
+        if local is not None and not bool(torch.isfinite(local).all()):
+            bad.append(names.get(id(parameter), "?"))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (pipeline.stage_ids, bad))
+    wrong = [(stages, names) for stages, names in everyone if names]
+    if not wrong:
+        return
+    stages, values = max(wrong, key=lambda item: max(item[0]))  # the latest: NaN flows back to earlier stages
+    blocks = pipeline.split.block_range(max(stages))
+    units = {unit.block_index: unit.name for unit in pipeline.split.units if unit.block_index is not None}
+    what = "the loss" if values[0] == "loss" else f"the gradient of '{values[0]}'"
+    raise PipelineMismatch(
+        f"HybridStrategy(pp={pipeline.schedule.pp}) verification: the pipelined step on stage {max(stages)}"
+        f" ('{units[blocks.start]}' .. '{units[blocks.stop - 1]}') computes with a value that stands in for another"
+        f" stage's blocks (NaN put there reaches {what}). The step uses a value computed on another stage that"
+        " does not reach this one through a block's arguments (compute it inside a block or pass it to the"
+        " blocks). Cut elsewhere with HybridStrategy(pp_split=[...]), or use pp=1; verify_pipeline=False trains"
+        " without this check."
+    )
 
 
 def _relative(got: Tensor, expected: Tensor, floor: float) -> float:

@@ -36,7 +36,8 @@ from lightning_hybrid._compat import tree_flatten
 from lightning_hybrid.probe.blocks import find_block_list
 from lightning_hybrid.tensor_parallel.dataflow import trace_block
 from lightning_hybrid.tensor_parallel.apply import plan_tensor_parallel
-from lightning_hybrid.tensor_parallel.block_plan import PairGroup, PlanEntry, block_tp_overrides, plan_block
+from lightning_hybrid.tensor_parallel.block_plan import PairGroup, plan_block
+from lightning_hybrid.tensor_parallel.overrides import PlanEntry, block_tp_overrides
 from lightning_hybrid.planner.model import ModelShape
 
 

@@ -35,16 +35,15 @@ from lightning_hybrid.tensor_parallel.dataflow import trace_block
 from lightning_hybrid.tensor_parallel.experts import shard_experts
 from lightning_hybrid.tensor_parallel.fallback import AppliedPlan, plan_keeping_whole, structure_label, structure_report
 from lightning_hybrid.tensor_parallel.layers import select_rows, shard_column, shard_row
+from lightning_hybrid.tensor_parallel.per_head import shard_per_head
 from lightning_hybrid.tensor_parallel.block_plan import (
     BlockPlan,
     ExpertGroup,
     Group,
     PairGroup,
-    PlanEntry,
-    block_tp_overrides,
     plan_block,
-    resolve_overrides,
 )
+from lightning_hybrid.tensor_parallel.overrides import PlanEntry, block_tp_overrides, resolve_overrides
 from lightning_hybrid.tensor_parallel.refusal import PlanCheckFailed
 from lightning_hybrid.tensor_parallel.sharded_path import sharded_path_styles
 
@@ -85,6 +84,8 @@ def _apply_pairs(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: d
             shard_column(block.get_submodule(name), mesh, shard.split_factor, transposed=name in group.transposed)
         else:
             styles[name] = ColwiseParallel()
+    for holder in dict.fromkeys(holder for holder, _, _ in group.per_head):
+        shard_per_head(block.get_submodule(holder), {n: d for h, n, d in group.per_head if h == holder}, mesh)
     for name in group.rows:
         if name in group.transposed and name not in styles:
             shard_row(block.get_submodule(name), mesh, transposed=True)
@@ -236,9 +237,20 @@ def _settle_group(
 
 def _sharded_path_repairs(reference: nn.Module, group: Group, args: tuple, kwargs: dict,
                           mesh: DeviceMesh) -> dict[str, ParallelStyle]:
-    sharded = copy.deepcopy(reference)
-    apply_block_plan(sharded, BlockPlan([group]), mesh)
-    return sharded_path_styles(reference, sharded, args, kwargs, set(group.layers), mesh.size())
+    """Styles for the modules computing on the group's sharded activations; the sharded block runs again after
+    each round, since it may only have reached the first of them before failing (q's norm, then k's)."""
+    repairs: dict[str, ParallelStyle] = {}
+    for _ in range(_MAX_REPAIR_ROUNDS):
+        sharded = copy.deepcopy(reference)
+        apply_block_plan(sharded, BlockPlan([group], dict(repairs)), mesh)
+        found = sharded_path_styles(reference, sharded, args, kwargs, {*group.layers, *repairs}, mesh.size())
+        if not found:
+            break
+        repairs.update(found)
+    return repairs
+
+
+_MAX_REPAIR_ROUNDS = 8
 
 
 def _verify_whole_plan(

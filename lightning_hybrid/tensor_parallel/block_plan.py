@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
-from typing import Iterator, Mapping, Sequence, Union
+from typing import Iterator, Mapping, Union
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_hybrid.tensor_parallel.dataflow import BlockTrace, attribute_holders
-from lightning_hybrid.tensor_parallel.experts import ExpertLayout, expert_layouts, holds_expert_stack
+from lightning_hybrid.tensor_parallel.experts import ONCE, ExpertLayout, expert_layouts, holds_expert_stack
 from lightning_hybrid.tensor_parallel.heads import ColumnShard, add_head_ratios, column_options
+from lightning_hybrid.tensor_parallel.per_head import PerHead, head_counts, holds_tables_per_head, per_head_parameters
+from lightning_hybrid.tensor_parallel.overrides import PlanEntry
 from lightning_hybrid.tensor_parallel.refusal import PlanRefusal
 
-PlanEntry = Union[str, ParallelStyle]
-_STYLE_NAMES = ("colwise", "rowwise", "replicate")
 # Trials per pair group while settling ambiguous choices (split factor, which attributes to rescale).
 _MAX_TRIALS = 32
 
@@ -60,6 +59,8 @@ class PairGroup:
     #: Weights sharded but activations whole: each column's output is all-gathered, each row reads the whole input
     #: (Hugging Face's ``colwise_rep``/``rowwise_rep``): right whatever the forward does between them.
     gathered: bool = False
+    #: Parameters holding a value per head (attention sinks, position tables), sharded with the heads.
+    per_head: list[PerHead] = field(default_factory=list)
 
     @property
     def layers(self) -> list[str]:
@@ -86,7 +87,8 @@ class ExpertGroup:
         return value // tp
 
     def describe(self) -> str:
-        dims = ", ".join(f"{name} dim {dim}" + (f" (strided x{pieces})" if pieces > 1 else "")
+        dims = ", ".join(f"{name} whole (added by one rank)" if dim == ONCE else
+                         f"{name} dim {dim}" + (f" (strided x{pieces})" if pieces > 1 else "")
                          for name, dim, pieces in self.layout)
         return f"experts ({dims})"
 
@@ -113,6 +115,8 @@ class BlockPlan:
                 if name in self.custom:
                     continue
                 described[at + name] = "colwise (output gathered)" if group.gathered else shard.describe()
+            described.update({f"{at}{holder + '.' if holder else ''}{name}": f"per head (dim {dim})"
+                              for holder, name, dim in group.per_head})
             row_style = "rowwise (input whole)" if group.gathered else "rowwise"
             described.update({at + name: row_style for name in group.rows if name not in self.custom})
         for group in self.groups:
@@ -136,11 +140,12 @@ def plan_block(
     overrides = dict(overrides or {})
     experts = [name for name, module in block.named_modules()
                if name not in overrides and name not in trace.linears and holds_expert_stack(module)]
-    _reject_unplannable_modules(block, trace, {**overrides, **dict.fromkeys(experts, "experts")})
+    skip = {**overrides, **dict.fromkeys(experts, "experts")}
+    _reject_unplannable_modules(block, trace, skip)
     custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
     roles = _classify(trace, overrides)
     candidates: list[list[Group]] = [
-        list(_group_candidates(block, trace, columns, rows, tp_size))
+        list(_group_candidates(block, trace, columns, rows, tp_size, {*skip, *trace.linears, *trace.opaque}))
         for columns, rows in _pair_groups(trace, roles)
     ]
     # A linear layer in no pair (its output read by more than row layers: an adaLN modulation, a state-space
@@ -166,7 +171,7 @@ def _expert_candidates(block: nn.Module, trace: BlockTrace, name: str, tp: int) 
         )
     groups: list[Group] = []
     for layout in layouts:
-        sizes = {module.get_parameter(param).shape[dim] // pieces for param, dim, pieces in layout}
+        sizes = {module.get_parameter(param).shape[dim] // pieces for param, dim, pieces in layout if dim != ONCE}
         likely, doubtful = _attributes_to_scale(trace, name, sizes, set(), block)
         groups += [ExpertGroup(name, layout, list(subset)) for subset in _subsets(likely, doubtful)]
     return groups[:_MAX_TRIALS]
@@ -239,7 +244,8 @@ def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: 
     """Matrix-shaped parameters outside the traced linear layers cannot be sharded automatically: refuse, naming
     the module (the strategy keeps it whole; ``tp_strict=True`` asks the user what to do)."""
     for name, module in block.named_modules():
-        if name in trace.linears or name in trace.opaque or isinstance(module, nn.Linear) or name in overrides:
+        if name in trace.linears or name in trace.opaque or isinstance(module, nn.Linear) or name in overrides \
+                or holds_tables_per_head(module, head_counts(trace)):
             continue
         own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
         if own:
@@ -254,14 +260,14 @@ def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: 
 
 
 def _group_candidates(
-    block: nn.Module, trace: BlockTrace, columns: list[str], rows: list[str], tp_size: int
+    block: nn.Module, trace: BlockTrace, columns: list[str], rows: list[str], tp_size: int, skip: set[str]
 ) -> list[PairGroup]:
     """All plausible ways to shard one pair group, most likely first; the last one shards the weights with the
     activations between them gathered (:func:`_gathered_candidate`), for forwards that cannot run on a share of
     the heads."""
     gathered = _gathered_candidate(trace, columns, rows, tp_size)
     try:
-        by_heads = _head_candidates(block, trace, columns, rows, tp_size)
+        by_heads = _head_candidates(block, trace, columns, rows, tp_size, skip)
     except PlanRefusal:
         if gathered is None:
             raise
@@ -270,9 +276,10 @@ def _group_candidates(
 
 
 def _head_candidates(
-    block: nn.Module, trace: BlockTrace, columns: list[str], rows: list[str], tp_size: int
+    block: nn.Module, trace: BlockTrace, columns: list[str], rows: list[str], tp_size: int, skip: set[str]
 ) -> list[PairGroup]:
-    """The group's shardings by heads: each rank computes its heads between the columns and the rows."""
+    """The group's shardings by heads: each rank computes its heads between the columns and the rows (with the
+    parameters held per head sharded too, then without them)."""
     group_heads = max((cut.factors[-2] for cut in trace.cuts if cut.linear in columns and len(cut.factors) > 1),
                       default=0)
     try:
@@ -292,8 +299,11 @@ def _head_candidates(
         add_head_ratios(sizes, kept, [heads for *_, option_heads in choice for heads in option_heads])
         likely, doubtful = _attributes_to_scale(trace, owner, set(sizes), kept, block)
         uneven = {value: size for value, size in sizes.items() if size != value // tp_size}
+        heads = {count for *_, option_heads in choice for count, _ in option_heads}
+        per_head = per_head_parameters(block, owner, heads, tp_size, skip)
         for subset in _subsets(likely, doubtful):
-            groups.append(PairGroup(columns_map, rows, owner, list(subset), transposed=transposed, sizes=uneven))
+            groups += [PairGroup(columns_map, rows, owner, list(subset), transposed=transposed, sizes=uneven,
+                                 per_head=tables) for tables in ([per_head, []] if per_head else [[]])]
     return groups
 
 
@@ -347,49 +357,3 @@ def _subsets(likely: list[tuple[str, str]], doubtful: list[tuple[str, str]]) -> 
             for extra in range(len(doubtful), -1, -1):
                 for added in itertools.combinations(doubtful, extra):
                     yield chosen + added
-
-
-def resolve_overrides(tp_plan: Mapping[str, PlanEntry], names: list[str]) -> dict[str, PlanEntry]:
-    """Expand ``tp_plan`` patterns (``fnmatch`` syntax) into exact module names; later entries win."""
-    resolved: dict[str, PlanEntry] = {}
-    for pattern, entry in tp_plan.items():
-        if not isinstance(entry, ParallelStyle) and entry not in _STYLE_NAMES:
-            raise ValueError(
-                f"tp_plan[{pattern!r}] = {entry!r} is not a style: use one of {', '.join(_STYLE_NAMES)} or a"
-                " torch.distributed.tensor.parallel.ParallelStyle."
-            )
-        matched = [name for name in names if fnmatchcase(name, pattern)]
-        if not matched:
-            examples = ", ".join(names[:6])
-            raise ValueError(f"tp_plan entry {pattern!r} matches no module. Module names look like: {examples}, ...")
-        resolved.update(dict.fromkeys(matched, entry))
-    return resolved
-
-
-def block_tp_overrides(root: nn.Module, tp_plan: Mapping[str, PlanEntry],
-                       block_names: Sequence[str]) -> dict[str, PlanEntry]:
-    """``tp_plan``'s entries for the blocks ``block_names`` names (their names in the root; blocks of one
-    structure), relative to one block: the plan each of them gets."""
-    overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
-    return _per_block_overrides(overrides, block_names)
-
-
-def _per_block_overrides(overrides: Mapping[str, PlanEntry], block_names: Sequence[str]) -> dict[str, PlanEntry]:
-    """``tp_plan`` entries inside the blocks ``block_names`` names, relative to one block; one plan serves them
-    all."""
-    per_block: dict[str, dict[str, PlanEntry]] = {block: {} for block in block_names}
-    for name, entry in overrides.items():
-        block, _, relative = name.rpartition(".")
-        while block and block not in per_block:
-            block, _, head = block.rpartition(".")
-            relative = f"{head}.{relative}"
-        if block:
-            per_block[block][relative] = entry
-    plans = list(per_block.values())
-    if any(entries != plans[0] for entries in plans):
-        where = block_names[0].rpartition(".")[0]
-        raise ValueError(
-            f"tp_plan entries inside '{where}' must treat every block of one structure alike (one plan is"
-            f" applied to all of them); write them with a wildcard, e.g. '{where}.*.attn.qkv'."
-        )
-    return plans[0]

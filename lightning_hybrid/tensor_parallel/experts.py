@@ -8,6 +8,12 @@ experts but only its slice of each expert's hidden width (its chunk of the gate 
 unchanged on every rank, each rank's output is a partial sum, and one all-reduce completes it. The router is an
 ordinary linear layer whose output does not feed a row layer, so the planner keeps it whole.
 
+Experts with biases (GPT-OSS: ``gate_up_proj_bias``, ``down_proj_bias``) shard the first projection's bias with
+its hidden width; the last projection's bias is added to every rank's partial sum, so it is kept whole and added
+by one rank only (:data:`ONCE`; the others add zeros), its gradient summed over the ranks. Interleaved gate|up
+columns (``gate_up[..., ::2]``, ``[..., 1::2]``) need nothing special: each rank's contiguous chunk holds whole
+gate/up pairs.
+
 Which dimension of each weight is the hidden width (and whether it holds two fused halves) is not written
 anywhere; :func:`expert_layouts` lists the layouts the shapes allow and the planner keeps the first whose sharded
 block computes what the unsharded one does. :func:`shard_experts` applies one: parameters become DTensors
@@ -31,9 +37,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from lightning_hybrid._compat import StridedShard, tree_map
+from lightning_hybrid.tensor_parallel.layers import local_class
 
 #: ``(parameter name, dimension sharded, number of fused pieces along it)`` for each parameter of the module.
 ExpertLayout = tuple[tuple[str, int, int], ...]
+#: The "dimension" of a stacked bias kept whole and added by the first tp rank only (a bias after the last
+#: projection, added to partial sums).
+ONCE = -1
 #: Fused pieces a hidden dimension may hold: one projection, or gate|up concatenated.
 _PIECES = (1, 2)
 
@@ -56,6 +66,8 @@ def expert_layouts(module: nn.Module, stream_widths: set[int], tp: int) -> list[
         options = [(name, dim, pieces) for dim in range(1, parameter.dim()) for pieces in _PIECES
                    if parameter.shape[dim] % (tp * pieces) == 0]
         options.sort(key=lambda option: parameter.shape[option[1]] in stream_widths)
+        if parameter.dim() == 2:  # a stacked bias: (experts, features)
+            options.append((name, ONCE, 1))
         if not options:
             return []
         per_parameter.append(options)
@@ -65,20 +77,12 @@ def expert_layouts(module: nn.Module, stream_widths: set[int], tp: int) -> list[
 def shard_experts(module: nn.Module, mesh: DeviceMesh, layout: ExpertLayout) -> None:
     """Shard ``module``'s parameters as ``layout`` says; its forward then runs on the local shards."""
     for name, dim, pieces in layout:
-        placement = StridedShard(dim, split_factor=pieces) if pieces > 1 else Shard(dim)
+        placement = Replicate() if dim == ONCE else StridedShard(dim, split_factor=pieces) if pieces > 1 else Shard(dim)
         local = getattr(module, name).detach()
         setattr(module, name, nn.Parameter(distribute_tensor(local, mesh, [placement])))
-    module.__class__ = _local_class(type(module))
+    module.__class__ = local_class(type(module), "Experts", _local_forward)
     module.tp_sharded = tuple(name for name, _, _ in layout)
-
-
-_LOCAL_CLASSES: dict[type, type] = {}
-
-
-def _local_class(cls: type) -> type:
-    if cls not in _LOCAL_CLASSES:
-        _LOCAL_CLASSES[cls] = type(f"ShardedExperts{cls.__name__}", (cls,), {"forward": _local_forward})
-    return _LOCAL_CLASSES[cls]
+    module.tp_once = tuple(name for name, dim, _ in layout if dim == ONCE)
 
 
 def _local_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -99,6 +103,9 @@ def _local_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     args, kwargs = tree_map(partial_gradient, (args, kwargs))
     sharded = {name: self._parameters[name] for name in self.tp_sharded}
     self._parameters.update({name: parameter.to_local() for name, parameter in sharded.items()})
+    first = float(mesh.get_local_rank() == 0)
+    self._parameters.update({name: sharded[name].to_local(grad_placements=[Partial()]) * first
+                             for name in self.tp_once})
     try:  # the parameters are swapped back even if the forward raises (the plan check tries wrong layouts)
         out = super(type(self), self).forward(*args, **kwargs)
     finally:

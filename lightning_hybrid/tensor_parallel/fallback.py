@@ -41,7 +41,8 @@ from typing import Callable, Collection, Iterator, Sequence
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid.tensor_parallel.block_plan import BlockPlan, PairGroup, PlanEntry
+from lightning_hybrid.tensor_parallel.block_plan import BlockPlan, PairGroup
+from lightning_hybrid.tensor_parallel.overrides import PlanEntry
 from lightning_hybrid.tensor_parallel.refusal import PlanRefusal
 
 

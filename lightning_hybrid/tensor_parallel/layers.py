@@ -46,7 +46,7 @@ def shard_column(module: nn.Module, mesh: DeviceMesh, split_factor: int, transpo
     if module.bias is not None:
         bias_placement = Replicate() if split_factor > 1 else Shard(0)
         module.bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh, [bias_placement]))
-    module.__class__ = _local_class(type(module), "Column", _column_forward)
+    module.__class__ = local_class(type(module), "Column", _column_forward)
     module.tp_split_factor, module.tp_transposed = split_factor, transposed
 
 
@@ -55,7 +55,7 @@ def select_rows(module: nn.Module, mesh: DeviceMesh, spans: tuple[tuple[int, int
     module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
     if module.bias is not None:
         module.bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh, [Replicate()]))
-    module.__class__ = _local_class(type(module), "Selected", _selected_forward)
+    module.__class__ = local_class(type(module), "Selected", _selected_forward)
     module.tp_spans, module.tp_transposed = spans, transposed
 
 
@@ -65,13 +65,15 @@ def shard_row(module: nn.Module, mesh: DeviceMesh, transposed: bool) -> None:
     module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Shard(0)]))
     if module.bias is not None:
         module.bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh, [Replicate()]))
-    module.__class__ = _local_class(type(module), "Row", _row_forward)
+    module.__class__ = local_class(type(module), "Row", _row_forward)
 
 
 _LOCAL_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _local_class(cls: type, kind: str, forward: Callable[..., Tensor]) -> type:
+def local_class(cls: type, kind: str, forward: Callable[..., Any]) -> type:
+    """The subclass of ``cls`` with ``forward`` (one per class and kind): swapped in as a module's ``__class__``, it
+    keeps the module's parameters, names and ``isinstance`` while computing on local shards."""
     if (cls, kind) not in _LOCAL_CLASSES:
         _LOCAL_CLASSES[(cls, kind)] = type(f"{kind}Parallel{cls.__name__}", (cls,), {"forward": forward})
     return _LOCAL_CLASSES[(cls, kind)]

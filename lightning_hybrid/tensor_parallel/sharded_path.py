@@ -7,8 +7,11 @@ gets only its rank's heads' part of the gradient: the plan check (which compares
 a module is found by its input: in the sharded block it receives a tensor with one dimension ``tp`` times smaller
 than in the unsharded block. torch's ``SequenceParallel(sequence_dim=d)`` style then treats that input as sharded
 along ``d`` (no communication), keeps the weight a replicated DTensor, and DTensor sums its gradient over the ranks;
-the plan check decides whether that computes what the unsharded block does (a norm over the sharded dimension
-itself, OLMo 2's q/k norm over the whole projection width, does not, and its pair stays whole).
+DTensor computes the module's own operations on the sharded input, a reduction over the sharded dimension itself
+included (OLMo 2's q/k RMSNorm over the whole projection width: its mean of squares is summed over the ranks). A
+sharded block that fails at such a module (its whole weight meeting a shard) still shows the module's input
+before failing; the planner styles it and runs the block again, until it runs or nothing new is
+found. The plan check decides whether the result computes what the unsharded block does.
 
 Example::
 
@@ -58,8 +61,8 @@ def _input_shapes(block: nn.Module, names: list[str], args: tuple, kwargs: dict)
         call_args, call_kwargs = copy.deepcopy((args, kwargs))
         with torch.no_grad():
             block(*call_args, **call_kwargs)
-    except Exception:  # noqa: BLE001 - a layout that fails to run has nothing to repair; the check refuses it
-        return {}
+    except Exception:  # noqa: BLE001 - the shapes seen up to the failure (often a whole weight meeting a shard)
+        pass
     finally:
         for handle in handles:
             handle.remove()

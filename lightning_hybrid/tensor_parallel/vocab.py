@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_hybrid.probe.blocks import BlockList
 from lightning_hybrid.probe.record import AFTER, BEFORE, SetupRecord
-from lightning_hybrid.tensor_parallel.block_plan import PlanEntry, resolve_overrides
+from lightning_hybrid.tensor_parallel.overrides import PlanEntry, resolve_overrides
 
 @dataclass(frozen=True)
 class VocabLayers:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from lightning_hybrid.tensor_parallel.dataflow import trace_block
-from lightning_hybrid.tensor_parallel.block_plan import plan_block, resolve_overrides
+from lightning_hybrid.tensor_parallel.block_plan import plan_block
+from lightning_hybrid.tensor_parallel.overrides import resolve_overrides
 from tests import block_zoo
 from tests.block_zoo import HEADS
 from tests.helpers import on_two_ranks
@@ -227,13 +228,22 @@ def _run_two_ranks(style: str, tp_plan: dict | None = None) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("style", ["timm", "litgpt", "hf", "parallel", "three_layer_mlp", "fused_gqa", "phi3",
-                                   "phi3_mqa", "mqa"])
+                                   "phi3_mqa", "mqa", "grouped_qkv"])
 def test_applied_plan_matches_unsharded_block_in_output_and_gradients(style: str) -> None:
     results = _run_two_ranks(style)
     assert results["output"] < 1e-5
     assert results["input_grad"] < 1e-5
     assert results["param_grad"] < 1e-5
     assert results["sharded_params"] >= 3  # something really was sharded
+
+
+@pytest.mark.slow
+def test_fused_projection_laid_out_per_key_value_group_is_sharded_by_whole_groups() -> None:
+    """q q k v | q q k v: a contiguous half of the rows is one whole group, its head count read from n_kv."""
+    results = _run_two_ranks("grouped_qkv")
+    assert results["plan"]["blocks.*.attn.query_key_value"] == "colwise"
+    assert results["plan"]["blocks.*.attn.n_kv"] == "÷tp" and "blocks.*.attn.per_group" not in results["plan"]
+    assert results["output"] < 1e-5 and results["param_grad"] < 1e-5
 
 
 @pytest.mark.slow
@@ -315,7 +325,7 @@ def test_plan_check_works_for_a_meta_device_model() -> None:
 
 
 def test_plan_entries_inside_blocks_must_cover_every_block() -> None:
-    from lightning_hybrid.tensor_parallel.block_plan import _per_block_overrides
+    from lightning_hybrid.tensor_parallel.overrides import _per_block_overrides
 
     overrides = {"blocks.0.attn.qkv": "replicate", "blocks.1.attn.qkv": "replicate", "head": "colwise"}
     assert _per_block_overrides(overrides, ("blocks.0", "blocks.1")) == {"attn.qkv": "replicate"}

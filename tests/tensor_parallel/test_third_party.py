@@ -164,6 +164,40 @@ def test_stacked_expert_weights_are_sharded_along_each_experts_hidden_width() ->
         plan_block(blocks[0], trace, 3, {f"self_attn.{p}_proj": "replicate" for p in "qkvo"})
 
 
+def test_experts_with_biases_shard_the_first_bias_and_add_the_last_one_once() -> None:
+    """GPT-OSS: ``gate_up_proj`` (E, D, 2I) with interleaved gate|up columns, ``gate_up_proj_bias`` (E, 2I),
+    ``down_proj`` (E, I, D), ``down_proj_bias`` (E, D); the last bias is added to partial sums, so by one rank."""
+    from lightning_hybrid.tensor_parallel.experts import ONCE, expert_layouts
+    from tests.zoo_hf import hugging_face_gpt_oss
+
+    experts = hugging_face_gpt_oss({}).model.layers[0].mlp.experts
+    layouts = expert_layouts(experts, stream_widths={32}, tp=2)
+    assert (("gate_up_proj", 2, 1), ("gate_up_proj_bias", 1, 1), ("down_proj", 1, 1),
+            ("down_proj_bias", ONCE, 1)) in layouts
+    # only a stacked bias (2-D) may be kept whole: a layout computing everything on one rank is never offered
+    assert all(dim != ONCE for layout in layouts for name, dim, _ in layout if name in ("gate_up_proj", "down_proj"))
+
+
+def test_parameters_held_per_head_are_found_by_shape() -> None:
+    from lightning_hybrid.tensor_parallel.per_head import head_counts, holds_tables_per_head, per_head_parameters
+    from tests.zoo_hf import hugging_face_gpt_oss
+
+    from lightning_hybrid.probe.blocks import find_block_list
+    from lightning_hybrid.probe.record import record_step
+
+    model = hugging_face_gpt_oss({})  # 4 heads of 8: sinks (4,) on the attention module itself
+    _, blocks = find_block_list(model)
+    args, kwargs = record_step(model, blocks, lambda: model(torch.randint(0, 64, (2, 8)))).block_calls[0]
+    trace = trace_block(model.model.layers[0], args, kwargs)
+    assert head_counts(trace) == {4, 2}  # q's heads, k's and v's
+    found = per_head_parameters(model.model.layers[0], "self_attn", {4}, 2, set(trace.linears))
+    assert found == [("self_attn", "sinks", 0)]
+    assert per_head_parameters(model.model.layers[0], "self_attn", {4}, 8, set(trace.linears)) == []  # 8 ∤ 4
+    table = nn.Module()  # a position table (9 positions × 4 heads) is no unknown matrix; a 9 × 9 one is
+    table.bias_table = nn.Parameter(torch.zeros(9, 4))
+    assert holds_tables_per_head(table, {4}) and not holds_tables_per_head(table, {2})
+
+
 def test_an_experts_hidden_width_equal_to_the_models_is_a_layout_to_check_and_a_convolution_holds_no_experts() -> None:
     from lightning_hybrid.tensor_parallel.experts import expert_layouts, holds_expert_stack
 
