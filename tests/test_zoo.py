@@ -181,8 +181,12 @@ TP_STYLES = {
     # head sizes derived from the input width (no rank can compute a share of the heads): gathered
     "encoder_decoder": {"model.decoder.0.cross.k": "colwise (output gathered)",
                         "model.decoder.0.cross.out": "rowwise (input whole)"},
-    # low-rank attention: gathered; a state-space mixer's projections, an adaLN modulation: sharded alone
-    "hf_deepseek_v3": {"model.model.layers.1.self_attn.kv_a_proj_with_mqa": "colwise (output gathered)"},
+    # latent attention: the up-projections by heads, the down-projections sharded alone (their output gathered)
+    "hf_deepseek_v3": {"model.model.layers.1.self_attn.kv_a_proj_with_mqa": "colwise (output gathered)",
+                       "model.model.layers.1.self_attn.kv_b_proj": "colwise (input gradient summed at its source)",
+                       "model.model.layers.1.self_attn.kv_a_layernorm": "whole (gradient summed over tp)",
+                       "model.model.layers.1.self_attn.o_proj": "rowwise"},
+    # a state-space mixer's projections, an adaLN modulation: sharded alone
     "hf_mamba": {"model.backbone.layers.*.mixer.in_proj": "colwise (output gathered)"},
     "diffusers_dit": {"model.dit.transformer_blocks.*.norm1.linear": "colwise (output gathered)"},
 }

@@ -18,14 +18,15 @@ Example::
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_hybrid._compat import tree_flatten, tree_map
@@ -34,7 +35,7 @@ from lightning_hybrid.probe.record import BlockCall, block_call
 from lightning_hybrid.tensor_parallel.dataflow import trace_block
 from lightning_hybrid.tensor_parallel.experts import shard_experts
 from lightning_hybrid.tensor_parallel.fallback import AppliedPlan, plan_keeping_whole, structure_label, structure_report
-from lightning_hybrid.tensor_parallel.layers import select_rows, shard_column, shard_row
+from lightning_hybrid.tensor_parallel.layers import select_rows, shard_column, shard_row, sum_gradients
 from lightning_hybrid.tensor_parallel.per_head import shard_per_head
 from lightning_hybrid.tensor_parallel.block_plan import (
     BlockPlan,
@@ -56,6 +57,14 @@ def apply_block_plan(block: nn.Module, plan: BlockPlan, mesh: DeviceMesh) -> Non
         _apply_group(block, group, mesh, styles)
     if styles:
         parallelize_module(block, mesh, styles)
+    for name in {name for group in plan.groups if isinstance(group, PairGroup) for name in group.whole_inputs}:
+        # after the styles' own hooks: the output is then the plain whole tensor the heads read
+        block.get_submodule(name).register_forward_hook(functools.partial(_gradient_summed_over, mesh))
+
+
+def _gradient_summed_over(mesh: DeviceMesh, module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
+    """The output as it is, its gradient (each rank's heads' part) summed over the tensor-parallel ranks."""
+    return DTensor.from_local(output, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 def _apply_group(block: nn.Module, group: Group, mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
@@ -80,10 +89,13 @@ def _apply_pairs(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: d
         if shard.heads:
             spans = shard.spans(mesh.get_local_rank(), mesh.size())
             select_rows(block.get_submodule(name), mesh, spans, transposed=name in group.transposed)
-        elif shard.split_factor > 1 or name in group.transposed:
-            shard_column(block.get_submodule(name), mesh, shard.split_factor, transposed=name in group.transposed)
+        elif shard.split_factor > 1 or name in group.transposed or name in group.partial_inputs:
+            shard_column(block.get_submodule(name), mesh, shard.split_factor, transposed=name in group.transposed,
+                         reduce_input=name not in group.partial_inputs)
         else:
             styles[name] = ColwiseParallel()
+    for name in group.summed_modules:
+        sum_gradients(block.get_submodule(name), mesh)
     for holder in dict.fromkeys(holder for holder, _, _ in group.per_head):
         shard_per_head(block.get_submodule(holder), {n: d for h, n, d in group.per_head if h == holder}, mesh)
     for name in group.rows:

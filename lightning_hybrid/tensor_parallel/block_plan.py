@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Union
@@ -61,6 +62,14 @@ class PairGroup:
     gathered: bool = False
     #: Parameters holding a value per head (attention sinks, position tables), sharded with the heads.
     per_head: list[PerHead] = field(default_factory=list)
+    #: Whole layers the rows read directly (a latent projection's rotary key part): each rank back-propagates its
+    #: heads' share, so their output gradients are summed over the ranks once, and the columns reading only them
+    #: (``partial_inputs``, their up-projections) leave their input gradients partial.
+    whole_inputs: list[str] = field(default_factory=list)
+    partial_inputs: frozenset[str] = frozenset()
+    #: Modules computing on those whole layers' outputs (a latent norm): their parameters' gradients are partial
+    #: sums too, summed over the ranks.
+    summed_modules: list[str] = field(default_factory=list)
 
     @property
     def layers(self) -> list[str]:
@@ -114,7 +123,9 @@ class BlockPlan:
             for name, shard in group.columns.items():
                 if name in self.custom:
                     continue
-                described[at + name] = "colwise (output gathered)" if group.gathered else shard.describe()
+                described[at + name] = ("colwise (output gathered)" if group.gathered else shard.describe()
+                                        + (" (input gradient summed at its source)" if name in group.partial_inputs else ""))
+            described.update({at + name: "whole (gradient summed over tp)" for name in group.summed_modules})
             described.update({f"{at}{holder + '.' if holder else ''}{name}": f"per head (dim {dim})"
                               for holder, name, dim in group.per_head})
             row_style = "rowwise (input whole)" if group.gathered else "rowwise"
@@ -145,7 +156,8 @@ def plan_block(
     custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
     roles = _classify(trace, overrides)
     candidates: list[list[Group]] = [
-        list(_group_candidates(block, trace, columns, rows, tp_size, {*skip, *trace.linears, *trace.opaque}))
+        [_with_whole_inputs(group, trace, roles) for group in
+         _group_candidates(block, trace, columns, rows, tp_size, {*skip, *trace.linears, *trace.opaque})]
         for columns, rows in _pair_groups(trace, roles)
     ]
     # A linear layer in no pair (its output read by more than row layers: an adaLN modulation, a state-space
@@ -178,35 +190,63 @@ def _expert_candidates(block: nn.Module, trace: BlockTrace, name: str, tp: int) 
 
 
 def _classify(trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> dict[str, str]:
-    """Assign ``colwise``/``rowwise``/``replicate`` to every traced linear, demoting pairs that cannot hold."""
+    """Assign ``colwise``/``rowwise``/``replicate`` to every traced linear, demoting pairs that cannot hold. A row
+    layer reads at least one column's shards; what else it reads must be whole (a rotary key part every head
+    shares)."""
     stream = {source for source in trace.output_sources if source.startswith("arg")}
+    fixed = {**{name: _role_of(entry) for name, entry in overrides.items()},
+             **dict.fromkeys(_latent_projections(trace, stream), "replicate")}
     roles: dict[str, str] = {}
     for name, use in trace.linears.items():
-        forced = overrides.get(name)
-        if forced is not None:
-            roles[name] = _role_of(forced)
-            continue
         producers = [source for source in use.sources if source in trace.linears]
-        if use.sources & stream or not producers or any(roles[p] != "colwise" for p in producers):
+        if name in fixed:
+            roles[name] = fixed[name]
+        elif use.sources & stream or not any(roles[p] == "colwise" for p in producers):
             roles[name] = "colwise"
         else:
             roles[name] = "rowwise"
     changed = True
-    while changed:  # demote until every column feeds only rows and every row reads only columns
+    while changed:  # demote until every column feeds only rows and every row reads columns and whole values
         changed = False
         for name, role in roles.items():
-            if name in overrides:
+            if name in fixed:
                 continue
-            producers = [s for s in trace.linears[name].sources if s in trace.linears]
+            producers = {roles[s] for s in trace.linears[name].sources if s in trace.linears}
             ok = (
                 all(roles.get(user) == "rowwise" for user in trace.consumers(name))
                 and bool(trace.consumers(name))
                 if role == "colwise"
-                else role != "rowwise" or all(roles[p] == "colwise" for p in producers)
+                else role != "rowwise" or ("colwise" in producers and producers <= {"colwise", "replicate"})
             )
             if not ok:
                 roles[name], changed = "replicate", True
     return roles
+
+
+def _latent_projections(trace: BlockTrace, stream: set[str]) -> list[str]:
+    """Low-rank down-projections of the stream (multi-head latent attention's ``q_a_proj``, ``kv_a_proj``): narrower
+    than their input, read by linear layers only, one of them a wider layer reading nothing else (its
+    up-projection; a multi-query key projection is read by the output projection with q and v). They stay whole
+    per rank (sharded alone, their small output gathered), so that the up-projections are the columns, sharded by
+    heads; what the heads read of them directly (the rotary key part) gets its gradient summed over the ranks."""
+    def up_projection(name: str, user: str) -> bool:
+        return trace.linears[user].sources == {name} and trace.linears[user].out_features > trace.linears[name].out_features
+
+    return [name for name, use in trace.linears.items()
+            if use.sources & stream and use.out_features < use.in_features and trace.consumers(name)
+            and all(user in trace.linears for user in trace.consumers(name))
+            and any(up_projection(name, user) for user in trace.consumers(name))]
+
+
+def _with_whole_inputs(group: PairGroup, trace: BlockTrace, roles: dict[str, str]) -> PairGroup:
+    """``group`` with the whole layers its rows read directly (by heads only: gathered, everything is whole)."""
+    whole = sorted({s for row in group.rows for s in trace.linears[row].sources if roles.get(s) == "replicate"},
+                   key=list(trace.linears).index)
+    if group.gathered or not whole:
+        return group
+    partial = frozenset(name for name in group.columns if trace.linears[name].sources <= set(whole))
+    summed = [name for name, sources in trace.module_inputs.items() if sources and sources <= set(whole)]
+    return dataclasses.replace(group, whole_inputs=whole, partial_inputs=partial, summed_modules=summed)
 
 
 def _role_of(entry: PlanEntry) -> str:
@@ -228,8 +268,8 @@ def _pair_groups(trace: BlockTrace, roles: dict[str, str]) -> Iterator[tuple[lis
         rows, columns, frontier = {name}, set(), [name]
         while frontier:
             current = frontier.pop()
-            if roles[current] == "rowwise":
-                new = {s for s in trace.linears[current].sources if s in trace.linears} - columns
+            if roles[current] == "rowwise":  # its column producers (what else it reads is whole)
+                new = {s for s in trace.linears[current].sources if roles.get(s) == "colwise"} - columns
                 columns |= new
             else:
                 new = {u for u in trace.consumers(current) if u in trace.linears} - rows

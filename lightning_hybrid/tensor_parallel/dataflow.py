@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class BlockTrace:
     #: Layers holding one matrix whose call is no plain linear map of the last dimension (a router that returns
     #: logits, scores and expert indices): the planner keeps them whole.
     opaque: set[str] = field(default_factory=set)
+    #: Nearest sources of the first input of each other module holding parameters of its own (a norm): which
+    #: linear layers' outputs it computes on.
+    module_inputs: dict[str, frozenset[str]] = field(default_factory=dict)
     #: Linear layers whose output a discrete choice is made on (top-k routing, argmax): computed in pieces it may
     #: round differently from one device and choose otherwise, so the planner never shards them alone.
     selected: set[str] = field(default_factory=set)
@@ -122,7 +126,8 @@ class _SourceTracker(TorchFunctionMode):
         if sources:
             if self.on_call is not None:
                 self.on_call(func, args, kwargs, out, sources)
-            for leaf in tree_flatten(out)[0]:
+            written = [args[0], args[0]._base] if _writes_in_place(func, args) else []
+            for leaf in [*tree_flatten(out)[0], *written]:  # a write into a view changes what its base holds
                 if isinstance(leaf, torch.Tensor):
                     self.label(leaf, sources | self._labels.get(id(leaf), frozenset()))
         return out
@@ -134,6 +139,13 @@ class _SourceTracker(TorchFunctionMode):
             self.weight_uses[id(tensors[1])] = False
         elif func in _MATMULS and tensors and id(tensors[-1]) in self.weight_uses:
             self.weight_uses[id(tensors[-1])] = True
+
+
+def _writes_in_place(func: Any, args: tuple) -> bool:
+    """``x.copy_(y)``, ``x[...] = y``, ``x.add_(y)``: the call changes its first argument."""
+    name = getattr(func, "__name__", "")
+    return bool(args) and isinstance(args[0], torch.Tensor) and (
+        name == "__setitem__" or (name.endswith("_") and not name.startswith("_")))
 
 
 #: Functions that choose by value (which experts a token goes to).
@@ -154,6 +166,15 @@ def _watch_linears(block: nn.Module, tracker: _SourceTracker, before: Callable[.
             hooks.append(module.register_forward_pre_hook(before))
             hooks.append(module.register_forward_hook(after))
     return hooks
+
+
+def _watch_weighted(block: nn.Module, tracker: _SourceTracker, trace: BlockTrace) -> list[Any]:
+    """Pre-hooks noting what each module holding parameters of its own (no candidate linear) computes on."""
+    def note(name: str, module: nn.Module, inputs: tuple) -> None:
+        trace.module_inputs.setdefault(name, tracker.sources_of(inputs[:1]))
+
+    return [module.register_forward_pre_hook(functools.partial(note, name)) for name, module in block.named_modules()
+            if not _holds_one_matrix(module) and any(True for _ in module.parameters(recurse=False))]
 
 
 def _holds_one_matrix(module: nn.Module) -> bool:
@@ -219,7 +240,7 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
                 trace.cuts.append(cut)
 
     tracker.on_call = record_cut
-    hooks = _watch_linears(block, tracker, before_linear, after_linear)
+    hooks = _watch_linears(block, tracker, before_linear, after_linear) + _watch_weighted(block, tracker, trace)
     holders = list(attribute_holders(block))
     reads: set[tuple[int, str]] = set()
     try:

@@ -38,8 +38,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from lightning_hybrid._compat import StridedShard
 
 
-def shard_column(module: nn.Module, mesh: DeviceMesh, split_factor: int, transposed: bool) -> None:
-    """Make ``module`` column-parallel on ``mesh``: each rank computes its output features (of every piece)."""
+def shard_column(module: nn.Module, mesh: DeviceMesh, split_factor: int, transposed: bool,
+                 reduce_input: bool = True) -> None:
+    """Make ``module`` column-parallel on ``mesh``: each rank computes its output features (of every piece).
+    ``reduce_input=False`` leaves the input's gradient this rank's part (summed where the input is produced)."""
     dim = 1 if transposed else 0
     placement = StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
     module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [placement]))
@@ -47,7 +49,7 @@ def shard_column(module: nn.Module, mesh: DeviceMesh, split_factor: int, transpo
         bias_placement = Replicate() if split_factor > 1 else Shard(0)
         module.bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh, [bias_placement]))
     module.__class__ = local_class(type(module), "Column", _column_forward)
-    module.tp_split_factor, module.tp_transposed = split_factor, transposed
+    module.tp_split_factor, module.tp_transposed, module.tp_reduce_input = split_factor, transposed, reduce_input
 
 
 def select_rows(module: nn.Module, mesh: DeviceMesh, spans: tuple[tuple[int, int], ...], transposed: bool) -> None:
@@ -68,6 +70,23 @@ def shard_row(module: nn.Module, mesh: DeviceMesh, transposed: bool) -> None:
     module.__class__ = local_class(type(module), "Row", _row_forward)
 
 
+def sum_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Keep ``module``'s own parameters whole on every rank, their gradients (each rank's part) summed over
+    ``mesh``: for a module computing where each rank back-propagates only its heads' share."""
+    for name, parameter in list(module.named_parameters(recurse=False)):
+        setattr(module, name, nn.Parameter(distribute_tensor(parameter.detach(), mesh, [Replicate()])))
+    module.__class__ = local_class(type(module), "Summed", _summed_forward)
+
+
+def _summed_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    held = dict(self._parameters)
+    self._parameters.update({name: p.to_local(grad_placements=[Partial()]) for name, p in held.items() if p is not None})
+    try:
+        return super(type(self), self).forward(*args, **kwargs)
+    finally:
+        self._parameters.update(held)
+
+
 _LOCAL_CLASSES: dict[tuple[type, str], type] = {}
 
 
@@ -81,7 +100,8 @@ def local_class(cls: type, kind: str, forward: Callable[..., Any]) -> type:
 
 def _column_forward(self: Any, x: Tensor) -> Tensor:
     mesh = self.weight.device_mesh
-    x_local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    x_local = x if not self.tp_reduce_input else DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()])
     weight, bias = self.weight.to_local(), _local_bias(self, mesh)
     if not self.tp_transposed:
         return F.linear(x_local, weight, bias)

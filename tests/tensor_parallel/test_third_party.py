@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_hybrid.tensor_parallel.dataflow import trace_block
 from lightning_hybrid.tensor_parallel.block_plan import plan_block
+from tests import block_zoo
 from tests.helpers import on_ranks
 from tests.tensor_parallel.test_apply import _first_choice
 
@@ -196,6 +197,31 @@ def test_parameters_held_per_head_are_found_by_shape() -> None:
     table = nn.Module()  # a position table (9 positions × 4 heads) is no unknown matrix; a 9 × 9 one is
     table.bias_table = nn.Parameter(torch.zeros(9, 4))
     assert holds_tables_per_head(table, {4}) and not holds_tables_per_head(table, {2})
+
+
+def test_latent_attention_keeps_its_down_projections_whole_and_shards_the_up_projections_by_heads() -> None:
+    """DeepSeek-V3's multi-head latent attention: q_a and kv_a (width 32 → 16, 32 → 16 + 4 rotary) are read by
+    their up-projections q_b and kv_b, which are the columns; the rotary key part of kv_a is read by every head
+    directly, so kv_a's output gradient is summed once over the ranks, kv_b leaves its input gradient partial, and
+    the norm between them sums its weight's gradient. A multi-query k/v projection is no latent one."""
+    from lightning_hybrid.probe.blocks import find_block_list
+    from lightning_hybrid.probe.record import record_step
+    from tests.zoo_hf import hugging_face_deepseek_v3
+
+    model = hugging_face_deepseek_v3({})
+    _, blocks = find_block_list(model)
+    args, kwargs = record_step(model, blocks, lambda: model(torch.randint(0, 64, (2, 8)))).block_calls[0]
+    _, candidates = plan_block(blocks[0], trace_block(blocks[0], args, kwargs), 2)
+    attention = candidates[0][0]
+    assert (list(attention.columns), attention.rows) == (["self_attn.q_b_proj", "self_attn.kv_b_proj"],
+                                                         ["self_attn.o_proj"])
+    assert attention.whole_inputs == ["self_attn.kv_a_proj_with_mqa"] and not attention.gathered
+    assert attention.partial_inputs == {"self_attn.kv_b_proj"}
+    assert attention.summed_modules == ["self_attn.kv_a_layernorm"]
+    alone = [group[0].layers for group in candidates if group[0].gathered and not group[0].rows]
+    assert ["self_attn.q_a_proj"] in alone and ["self_attn.kv_a_proj_with_mqa"] in alone
+    mqa = _first_choice(block_zoo.build("mqa"), torch.randn(2, 8, 32))
+    assert not any(group.gathered for group in mqa)
 
 
 def test_an_experts_hidden_width_equal_to_the_models_is_a_layout_to_check_and_a_convolution_holds_no_experts() -> None:
