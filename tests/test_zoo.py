@@ -193,6 +193,16 @@ TP_STYLES = {
 
 
 @pytest.mark.slow
+def test_a_block_module_held_where_it_is_called_is_reported_kept_whole(zoo_runs) -> None:
+    """DiT calls ``transformer_blocks[0].norm1.emb`` after the trunk: under pp the last stage holds it too, so every
+    block's embedder stays whole over tp — and the report says so, with what it costs."""
+    first = zoo_runs("tp2_pp2")["diffusers_dit"]["tp_plan"].structures[0]
+    held = first.kept_whole[0]
+    assert held.modules and all(name.startswith("norm1.emb.") for name in held.modules)
+    assert held.reason.startswith("the step calls them from outside their block") and first.extra_bytes > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(TP_STYLES))
 def test_zoo_tp_shards_by_structure_what_was_refused(model: str, zoo_runs) -> None:
     plan = zoo_runs("tp2")[model]["tp_plan"]
@@ -287,8 +297,11 @@ def readme_models_table() -> str:
     saying what tensor parallelism keeps whole there, – = not run."""
     header = "| model | " + " | ".join(LAYOUTS) + " |"
     lines = [header, "|" + " --- |" * (len(LAYOUTS) + 1)]
+    notes = {key: note for key, (note, _, _) in KEPT_WHOLE.items()} | {
+        ("diffusers_dit", layout): "each block's embedder kept whole over tp: the last stage calls it too"
+        for layout in CASES["diffusers_dit"] if "tp" in layout and "pp" in layout}
     for model, layouts in CASES.items():
-        cells = [("✓" + (f" ({KEPT_WHOLE[(model, layout)][0]})" if (model, layout) in KEPT_WHOLE else ""))
+        cells = [("✓" + (f" ({notes[(model, layout)]})" if (model, layout) in notes else ""))
                  if layout in layouts else "–" for layout in LAYOUTS]
         lines.append(f"| {DESCRIPTIONS[model]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

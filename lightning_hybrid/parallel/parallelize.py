@@ -177,11 +177,11 @@ def apply_tensor_parallelism(module: nn.Module, blocks_path: str, blocks: BlockL
                              implied: Mapping[str, str]) -> AppliedPlan:
     """Step 2: the blocks ``owned`` (this rank's) sharded by their plans, what the planner refuses kept whole
     (``tp_strict=True``: refused), the embedding and head by ``vocab``; the plan and its report per block structure
-    (every stage's, gathered over the pipeline) logged once on rank 0. ``implied``: entries the layout itself
-    needs (:func:`held_modules_whole`), under the user's ``tp_plan``."""
+    (every stage's, gathered over the pipeline) logged once on rank 0. ``implied``: modules the layout itself
+    keeps whole (:func:`held_modules_whole`), reported so."""
     applied = apply_tensor_parallel(module, blocks_path, blocks, probe.record().block_calls, mesh[TENSOR],
-                                    tp_plan={**implied, **options.tp_plan}, verify=options.verify_tp_plan, apply_to=owned,
-                                    strict=options.tp_strict)
+                                    tp_plan=options.tp_plan, verify=options.verify_tp_plan, apply_to=owned,
+                                    strict=options.tp_strict, held=implied)
     if vocab:
         applied.styles.update(shard_vocab_layers(module, vocab, mesh[TENSOR], options.loss_parallel))
         applied.vocab = vocab.reason

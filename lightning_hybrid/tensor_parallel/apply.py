@@ -34,7 +34,8 @@ from lightning_hybrid.probe.blocks import BlockList, block_structures
 from lightning_hybrid.probe.record import BlockCall, block_call
 from lightning_hybrid.tensor_parallel.dataflow import trace_block
 from lightning_hybrid.tensor_parallel.experts import shard_experts
-from lightning_hybrid.tensor_parallel.fallback import AppliedPlan, plan_keeping_whole, structure_label, structure_report
+from lightning_hybrid.tensor_parallel.fallback import (AppliedPlan, KeptWhole, plan_keeping_whole, structure_label,
+                                                       structure_report)
 from lightning_hybrid.tensor_parallel.layers import select_rows, shard_column, shard_row, sum_gradients
 from lightning_hybrid.tensor_parallel.per_head import shard_per_head
 from lightning_hybrid.tensor_parallel.block_plan import (
@@ -137,12 +138,15 @@ def apply_tensor_parallel(
     verify: bool,
     apply_to: Optional[Sequence[int]] = None,
     strict: bool = False,
+    held: Optional[Mapping[str, PlanEntry]] = None,
 ) -> AppliedPlan:
     """Plan tensor parallelism once per block structure (blocks that differ — dense and mixture-of-experts
     layers, a first block owning a shared module — get a plan each, on their first block's call in
     ``block_calls``, the setup probe's record), check it, apply it to every block (or to the blocks ``apply_to``
     indexes, this rank's pipeline stages) and to ``tp_plan``'s other entries. What the planner refuses stays whole
     on every tp rank (:mod:`lightning_hybrid.tensor_parallel.fallback`); with ``strict`` the refusal is raised.
+    ``held``: patterns of the blocks' modules the layout itself keeps whole (a pipeline holds them on another stage
+    too), reported as kept whole with that reason.
     Returns the applied plan: ``{module name pattern: style}`` and the report per block structure."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
     outside = {name: entry for name, entry in overrides.items() if not blocks.contains_name(name)}
@@ -154,9 +158,11 @@ def apply_tensor_parallel(
             continue  # another pipeline stage's blocks
         call = block_call(block_calls, indices[0])
         explicit = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in indices])
+        whole = list(block_tp_overrides(root, held or {}, [blocks.name(i) for i in indices]))
         plan, kept = plan_keeping_whole(
             lambda keep: plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
-                                              indices=indices, keep_whole=keep), explicit, strict)
+                                              indices=indices, keep_whole=[*whole, *keep]), explicit, strict)
+        kept = [KeptWhole(tuple(whole), _HELD_REASON), *kept] if whole else kept
         if not plan.groups and not plan.custom and not kept:
             log.warning(f"Tensor parallelism found no layers to shard in {type(blocks[indices[0]]).__name__}.")
         for index in targets:
@@ -175,6 +181,10 @@ def apply_tensor_parallel(
             parallelize_module(root.get_submodule(name), mesh, style)
     applied.styles.update({name: str(entry) for name, entry in outside.items()})
     return applied
+
+
+_HELD_REASON = ("the step calls them from outside their block, so a pipeline stage without the block holds them"
+                " too: one layout for both copies")
 
 
 def plan_tensor_parallel(
