@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from lightning_hybrid._compat import tree_flatten, tree_map
+from lightning_hybrid._compat import tree_map
 from lightning_hybrid.probe.blocks import BlockList, block_structures
 from lightning_hybrid.probe.record import BlockCall, block_call
 from lightning_hybrid.tensor_parallel.dataflow import trace_block
@@ -38,6 +38,7 @@ from lightning_hybrid.tensor_parallel.fallback import (AppliedPlan, KeptWhole, p
                                                        structure_report)
 from lightning_hybrid.tensor_parallel.layers import select_rows, shard_column, shard_row, sum_gradients
 from lightning_hybrid.tensor_parallel.per_head import shard_per_head
+from lightning_hybrid.tensor_parallel.plan_check import plan_error, tolerance_for
 from lightning_hybrid.tensor_parallel.block_plan import (
     BlockPlan,
     ExpertGroup,
@@ -156,15 +157,8 @@ def apply_tensor_parallel(
         targets = [i for i in indices if apply_to is None or i in apply_to]
         if not targets:
             continue  # another pipeline stage's blocks
-        call = block_call(block_calls, indices[0])
-        explicit = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in indices])
-        whole = list(block_tp_overrides(root, held or {}, [blocks.name(i) for i in indices]))
-        plan, kept = plan_keeping_whole(
-            lambda keep: plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
-                                              indices=indices, keep_whole=[*whole, *keep]), explicit, strict)
-        kept = [KeptWhole(tuple(whole), _HELD_REASON), *kept] if whole else kept
-        if not plan.groups and not plan.custom and not kept:
-            log.warning(f"Tensor parallelism found no layers to shard in {type(blocks[indices[0]]).__name__}.")
+        plan, kept = _structure_plan(root, blocks_path, blocks, block_call(block_calls, indices[0]), mesh, indices,
+                                     tp_plan=tp_plan, verify=verify, strict=strict, held=held or {})
         for index in targets:
             block = blocks[index]
             was_training = block.training
@@ -181,6 +175,22 @@ def apply_tensor_parallel(
             parallelize_module(root.get_submodule(name), mesh, style)
     applied.styles.update({name: str(entry) for name, entry in outside.items()})
     return applied
+
+
+def _structure_plan(root: nn.Module, blocks_path: str, blocks: BlockList, call: tuple[tuple, dict], mesh: DeviceMesh,
+                    indices: Sequence[int], *, tp_plan: Mapping[str, PlanEntry], verify: bool, strict: bool,
+                    held: Mapping[str, PlanEntry]) -> tuple[BlockPlan, list[KeptWhole]]:
+    """The plan of the blocks ``indices`` (one structure) and what it keeps whole: ``held``'s modules, then what
+    the planner refuses."""
+    explicit = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in indices])
+    whole = list(block_tp_overrides(root, held, [blocks.name(i) for i in indices]))
+    plan, kept = plan_keeping_whole(
+        lambda keep: plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
+                                          indices=indices, keep_whole=[*whole, *keep]), explicit, strict)
+    kept = [KeptWhole(tuple(whole), _HELD_REASON), *kept] if whole else kept
+    if not plan.groups and not plan.custom and not kept:
+        log.warning(f"Tensor parallelism found no layers to shard in {type(blocks[indices[0]]).__name__}.")
+    return plan, kept
 
 
 _HELD_REASON = ("the step calls them from outside their block, so a pipeline stage without the block holds them"
@@ -349,60 +359,3 @@ def _check_inputs(block_call: tuple[tuple, dict], reference: nn.Module, mesh: De
 
 def _dtype_of(module: nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
-
-
-def plan_error(reference: nn.Module, sharded: nn.Module, args: tuple, kwargs: dict) -> float:
-    """Largest relative difference on this rank between the unsharded and sharded block: its outputs, and every
-    parameter's gradient of a fixed random projection of them (a weight the plan leaves whole but feeds sharded
-    activations — a per-head q/k norm after a column layer — gets only its rank's part of the gradient)."""
-    def run(block: nn.Module) -> list[torch.Tensor]:
-        # Fresh copies per run: blocks may update state they are handed (e.g. a key/value cache).
-        call_args, call_kwargs = copy.deepcopy((args, kwargs))
-        with torch.enable_grad():
-            outputs = [t for t in tree_flatten(block(*call_args, **call_kwargs))[0] if isinstance(t, torch.Tensor)]
-        return [t.full_tensor() if isinstance(t, DTensor) else t for t in outputs]
-
-    expected, actual = run(reference), run(sharded)
-    if len(expected) != len(actual) or any(want.shape != got.shape for want, got in zip(expected, actual)):
-        return float("inf")
-    error = 0.0
-    for want, got in zip(expected, actual):
-        scale = want.detach().abs().max().clamp_min(1e-12)
-        error = max(error, float(((want - got).detach().abs().max() / scale).nan_to_num(float("inf"))))
-    return max(error, _gradient_error(reference, sharded, expected, actual))
-
-
-def _gradient_error(reference: nn.Module, sharded: nn.Module, expected: list[torch.Tensor],
-                    actual: list[torch.Tensor]) -> float:
-    """The largest relative difference of the parameters' gradients of ``sum(output · w)`` (``w`` drawn from a
-    fixed seed, the same on every rank); gradients are left cleared."""
-    generator = torch.Generator().manual_seed(0)
-    for outputs, block in ((expected, reference), (actual, sharded)):
-        weights = [torch.randn(t.shape, generator=generator).to(t.device, t.dtype) for t in expected]
-        generator.manual_seed(0)
-        terms = [(t * w).sum() for t, w in zip(outputs, weights) if t.requires_grad and t.is_floating_point()]
-        if terms:
-            torch.stack(terms).sum().backward()
-    pairs = []
-    held = dict(sharded.named_parameters())
-    for name, parameter in reference.named_parameters():
-        got = held[name].grad if name in held else parameter.grad  # a layer the plan replaced: its output checked
-        got = got.full_tensor() if isinstance(got, DTensor) else got
-        if parameter.grad is not None or got is not None:
-            pairs.append((parameter.grad, got))
-    for block in (reference, sharded):
-        block.zero_grad(set_to_none=True)
-    # A gradient that is zero in exact arithmetic (a key's bias under softmax) is rounding noise on both sides.
-    floor = max((float(g.abs().max()) for g, _ in pairs if g is not None), default=0.0) * 1e-3
-    error = 0.0
-    for want, got in pairs:
-        if want is None or got is None or want.shape != got.shape:
-            return float("inf")
-        scale = max(float(want.abs().max()), floor, 1e-12)
-        error = max(error, float(((want - got).abs().max() / scale).nan_to_num(float("inf"))))
-    return error
-
-
-def tolerance_for(dtype: torch.dtype) -> float:
-    """Relative tolerance of the plan check: summation order differs between sharded and unsharded matmuls."""
-    return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
