@@ -104,8 +104,10 @@ class HybridOptions:
             check a model on the meta device gets). Costs one step with the whole model on each rank and two
             pipelined steps at setup.
         tp_strict: Where tensor parallelism cannot shard part of a block correctly (a matrix parameter in no linear
-            layer the planner recognizes, a head count or width tp does not divide, a sharding the plan check finds
-            changes the block's output), ``False`` (default) keeps those modules whole on every tp rank — as
+            layer the planner recognizes, a layer width tp does not divide, a sharding the plan check finds
+            changes the block's output; where only the heads do not divide, or no rank can compute a share of
+            them, the weights are still sharded with the activations gathered), ``False`` (default) keeps those
+            modules whole on every tp rank — as
             ``tp_plan={...: "replicate"}`` does — or, where the check fails for the plan as a whole, the whole block
             structure, and trains; the share of each block structure's parameters tp shards, what stays whole and
             why, and the memory that costs per tp rank are logged at setup, written as TensorBoard text

@@ -2,8 +2,9 @@
 the run says so.
 
 Where the planner refuses part of a block (:class:`~lightning_hybrid.tensor_parallel.refusal.PlanRefusal`: a
-matrix parameter in no linear layer it recognizes, a head count or width tp does not divide, a plan check that
-finds the block's output changed), :func:`plan_keeping_whole` falls back in stages:
+matrix parameter in no linear layer it recognizes, a layer width tp does not divide, a plan check that finds the
+block's output changed, even with the weights sharded and the activations gathered), :func:`plan_keeping_whole`
+falls back in stages:
 
 1. the modules the refusal names are kept whole — exactly what ``tp_plan={"...": "replicate"}`` does: their
    parameters stay plain tensors, each tp rank computes them on the full (replicated) activations, so their
