@@ -210,16 +210,11 @@ def check_stand_ins(pipeline: Any, probe: StepProbe) -> None:
     if not wrong:
         return
     stages, values = max(wrong, key=lambda item: max(item[0]))  # the latest: NaN flows back to earlier stages
-    blocks = pipeline.split.block_range(max(stages))
-    units = {unit.block_index: unit.name for unit in pipeline.split.units if unit.block_index is not None}
-    what = "the loss" if values[0] == "loss" else f"the gradient of '{values[0]}'"
     raise PipelineMismatch(
-        f"HybridStrategy(pp={pipeline.schedule.pp}) verification: the pipelined step on stage {max(stages)}"
-        f" ('{units[blocks.start]}' .. '{units[blocks.stop - 1]}') computes with a value that stands in for another"
-        f" stage's blocks (NaN put there reaches {what}). The step uses a value computed on another stage that"
-        " does not reach this one through a block's arguments (compute it inside a block or pass it to the"
-        " blocks). Cut elsewhere with HybridStrategy(pp_split=[...]), or use pp=1; verify_pipeline=False trains"
-        " without this check."
+        f"HybridStrategy(pp={pipeline.schedule.pp}) verification: the pipelined step on {_stage_named(pipeline, max(stages))}"
+        f" computes with a value that stands in for another stage's blocks (NaN put there reaches"
+        f" {_value_named(values[0])}). The step uses a value computed on another stage that does not reach this one"
+        f" through a block's arguments (compute it inside a block or pass it to the blocks). {_CUT_ELSEWHERE}"
     )
 
 
@@ -233,16 +228,25 @@ def _mismatch_message(pipeline: Any, wrong: list, tolerance: float) -> str:
     every earlier stage's wrong) and the value that differs most on it."""
     stages, bad = max(wrong, key=lambda item: max(item[0]))
     name, difference = max(bad, key=lambda item: item[1])
-    stage = max(stages)
-    blocks = pipeline.split.block_range(stage)
-    names = {unit.block_index: unit.name for unit in pipeline.split.units if unit.block_index is not None}
-    what = "the loss" if name == "loss" else f"the gradient of '{name}'"
     return (
         f"HybridStrategy(pp={pipeline.schedule.pp}) verification: the pipelined step on the first batch differs from"
-        f" the unsplit step on stage {stage} ('{names[blocks.start]}' .. '{names[blocks.stop - 1]}'): {what}"
+        f" the unsplit step on {_stage_named(pipeline, max(stages))}: {_value_named(name)}"
         f" differs by {difference:.3g} (relative; tolerance {tolerance:g}); {sum(len(b) for _, b in wrong)} values differ on stages"
         f" {sorted({s for st, _ in wrong for s in st})}. The step uses a value computed on another stage that does not"
         " reach this one through a block's arguments (compute it inside a block or pass it to the blocks), or"
-        " reads values outside its blocks that the pipeline cannot know. Cut elsewhere with"
-        " HybridStrategy(pp_split=[...]), or use pp=1; verify_pipeline=False trains without this check."
+        f" reads values outside its blocks that the pipeline cannot know. {_CUT_ELSEWHERE}"
     )
+
+
+_CUT_ELSEWHERE = "Cut elsewhere with HybridStrategy(pp_split=[...]), or use pp=1; verify_pipeline=False trains without this check."
+
+
+def _stage_named(pipeline: Any, stage: int) -> str:
+    """``stage 1 ('model.blocks.2' .. 'model.blocks.3')``: a stage by its first and last block."""
+    blocks = pipeline.split.block_range(stage)
+    names = {unit.block_index: unit.name for unit in pipeline.split.units if unit.block_index is not None}
+    return f"stage {stage} ('{names[blocks.start]}' .. '{names[blocks.stop - 1]}')"
+
+
+def _value_named(name: str) -> str:
+    return "the loss" if name == "loss" else f"the gradient of '{name}'"

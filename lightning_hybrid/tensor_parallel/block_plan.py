@@ -283,9 +283,10 @@ def _pair_groups(trace: BlockTrace, roles: dict[str, str]) -> Iterator[tuple[lis
 def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> None:
     """Matrix-shaped parameters outside the traced linear layers cannot be sharded automatically: refuse, naming
     the module (the strategy keeps it whole; ``tp_strict=True`` asks the user what to do)."""
+    heads = head_counts(trace)
     for name, module in block.named_modules():
         if name in trace.linears or name in trace.opaque or isinstance(module, nn.Linear) or name in overrides \
-                or holds_tables_per_head(module, head_counts(trace)):
+                or holds_tables_per_head(module, heads):
             continue
         own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
         if own:

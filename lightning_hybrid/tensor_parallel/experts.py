@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from lightning_hybrid._compat import StridedShard, tree_map
-from lightning_hybrid.tensor_parallel.layers import local_class
+from lightning_hybrid.tensor_parallel.layers import forward_with, local_class
 
 #: ``(parameter name, dimension sharded, number of fused pieces along it)`` for each parameter of the module.
 ExpertLayout = tuple[tuple[str, int, int], ...]
@@ -100,14 +100,7 @@ def _local_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             return value
         return DTensor.from_local(value, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
-    args, kwargs = tree_map(partial_gradient, (args, kwargs))
-    sharded = {name: self._parameters[name] for name in self.tp_sharded}
-    self._parameters.update({name: parameter.to_local() for name, parameter in sharded.items()})
     first = float(mesh.get_local_rank() == 0)
-    self._parameters.update({name: sharded[name].to_local(grad_placements=[Partial()]) * first
-                             for name in self.tp_once})
-    try:  # the parameters are swapped back even if the forward raises (the plan check tries wrong layouts)
-        out = super(type(self), self).forward(*args, **kwargs)
-    finally:
-        self._parameters.update(sharded)
-    return tree_map(summed, out)
+    local = {name: self._parameters[name].to_local(grad_placements=[Partial()]) * first if name in self.tp_once
+             else self._parameters[name].to_local() for name in self.tp_sharded}
+    return tree_map(summed, forward_with(self, local, *tree_map(partial_gradient, (args, kwargs))))

@@ -79,12 +79,20 @@ def sum_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def _summed_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-    held = dict(self._parameters)
-    self._parameters.update({name: p.to_local(grad_placements=[Partial()]) for name, p in held.items() if p is not None})
+    local = {name: p.to_local(grad_placements=[Partial()]) for name, p in self._parameters.items() if p is not None}
+    return forward_with(self, local, args, kwargs)
+
+
+def forward_with(module: Any, parameters: dict[str, Tensor], args: tuple, kwargs: dict) -> Any:
+    """The forward of ``module``'s own class (the one :func:`local_class` derived from) with its parameters
+    ``parameters`` names replaced by the given tensors (local shards), put back afterwards even if it raises (the
+    plan check tries layouts that do)."""
+    held = {name: module._parameters[name] for name in parameters}
+    module._parameters.update(parameters)
     try:
-        return super(type(self), self).forward(*args, **kwargs)
+        return super(type(module), module).forward(*args, **kwargs)
     finally:
-        self._parameters.update(held)
+        module._parameters.update(held)
 
 
 _LOCAL_CLASSES: dict[tuple[type, str], type] = {}

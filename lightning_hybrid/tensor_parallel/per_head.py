@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_hybrid.tensor_parallel.dataflow import BlockTrace
-from lightning_hybrid.tensor_parallel.layers import local_class
+from lightning_hybrid.tensor_parallel.layers import forward_with, local_class
 
 #: ``(holder module path, parameter name, dimension)`` of a per-head parameter.
 PerHead = tuple[str, str, int]
@@ -74,9 +74,4 @@ def shard_per_head(module: nn.Module, dims: dict[str, int], mesh: DeviceMesh) ->
 
 
 def _local_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-    sharded = {name: self._parameters[name] for name in self.tp_per_head}
-    self._parameters.update({name: parameter.to_local() for name, parameter in sharded.items()})
-    try:  # swapped back even if the forward raises (the plan check tries layouts that do)
-        return super(type(self), self).forward(*args, **kwargs)
-    finally:
-        self._parameters.update(sharded)
+    return forward_with(self, {name: self._parameters[name].to_local() for name in self.tp_per_head}, args, kwargs)
