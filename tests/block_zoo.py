@@ -163,6 +163,35 @@ class MultiQueryAttention(HFAttention):
         self.v_proj = nn.Linear(DIM, DIM // HEADS, bias=False)
 
 
+class SelectiveScanMixer(nn.Module):
+    """A Mamba-style state-space mixer as the reference implementation writes it: ``in_proj`` to x|z cut after a
+    transpose, a depthwise ``conv1d`` called as a module (``groups`` = channels), ``x_proj`` to dt|B|C, ``dt_proj``
+    called as a module, a sequential scan reading ``A_log`` and ``D`` and sized by ``self.inner``, ``out_proj``."""
+
+    def __init__(self, state: int = 4, rank: int = 4, kernel: int = 3) -> None:
+        super().__init__()
+        self.inner, self.state, self.rank = 2 * DIM, state, rank
+        self.in_proj = nn.Linear(DIM, 2 * self.inner)
+        self.conv1d = nn.Conv1d(self.inner, self.inner, kernel, groups=self.inner, padding=kernel - 1)
+        self.x_proj = nn.Linear(self.inner, rank + 2 * state, bias=False)
+        self.dt_proj = nn.Linear(rank, self.inner)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, state + 1, dtype=torch.float32)).repeat(self.inner, 1))
+        self.D = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        length = x.shape[1]
+        h, z = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)
+        h = F.silu(self.conv1d(h)[..., :length]).transpose(1, 2)
+        dt, B, C = self.x_proj(h).split([self.rank, self.state, self.state], dim=-1)
+        dt, A = F.softplus(self.dt_proj(dt)), -torch.exp(self.A_log)
+        state, ys = x.new_zeros(x.shape[0], self.inner, self.state), []
+        for t in range(length):
+            state = torch.exp(dt[:, t, :, None] * A) * state + dt[:, t, :, None] * B[:, t, None] * h[:, t, :, None]
+            ys.append((state * C[:, t, None]).sum(-1))
+        return self.out_proj((torch.stack(ys, dim=1) + h * self.D) * F.silu(z.transpose(1, 2)))
+
+
 class GateUpMLP(nn.Module):
     """Phi-3 style: gate and up projections fused into one layer, cut with ``chunk(2)``."""
 
@@ -271,4 +300,5 @@ def build(style: str) -> nn.Module:
         "phi3_mqa": lambda: SequentialBlock(SlicedQKVAttention(kv_heads=1), GateUpMLP()),
         "mqa": lambda: SequentialBlock(MultiQueryAttention(), GeluMLP()),
         "grouped_qkv": lambda: SequentialBlock(GroupedQKVAttention(), GeluMLP()),
+        "selective_scan": lambda: SequentialBlock(SelectiveScanMixer(), GeluMLP()),
     }[style]()

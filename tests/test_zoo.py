@@ -186,8 +186,12 @@ TP_STYLES = {
                        "model.model.layers.1.self_attn.kv_b_proj": "colwise (input gradient summed at its source)",
                        "model.model.layers.1.self_attn.kv_a_layernorm": "whole (gradient summed over tp)",
                        "model.model.layers.1.self_attn.o_proj": "rowwise"},
-    # a state-space mixer's projections, an adaLN modulation: sharded alone
-    "hf_mamba": {"model.backbone.layers.*.mixer.in_proj": "colwise (output gathered)"},
+    # a state-space mixer per channel of its inner dimension (Megatron's layout); an adaLN modulation sharded alone
+    "hf_mamba": {"model.backbone.layers.*.mixer.in_proj": "colwise (strided x2)",
+                 "model.backbone.layers.*.mixer.x_proj": "rowwise",
+                 "model.backbone.layers.*.mixer.conv1d.weight": "per head (dim 0)",
+                 "model.backbone.layers.*.mixer.dt_proj.weight": "per head (dim 0)",
+                 "model.backbone.layers.*.mixer.A_log": "per head (dim 0)"},
     "diffusers_dit": {"model.dit.transformer_blocks.*.norm1.linear": "colwise (output gathered)"},
 }
 
@@ -248,8 +252,6 @@ def test_blocks_in_a_module_dict_are_found_by_structure() -> None:
 #: block's modules the report names) and the refusal ``tp_strict=True`` gives instead.
 KEPT_WHOLE: dict[tuple[str, str], tuple[str, tuple[str, ...], str]] = {
     (model, layout): (note, modules, refusal) for model, (note, modules, refusal) in {
-        "hf_mamba": ("the mixer's scan parameters and convolution kept whole over tp, its projections gathered",
-                     ("mixer",), r"cannot shard MambaMixer 'mixer'"),
         "diffusers_dit": ("the class-label table kept whole over tp", ("norm1.emb.class_embedder.embedding_table",),
                           r"cannot shard Embedding 'norm1\.emb\.class_embedder\.embedding_table'"),
     }.items() for layout in CASES[model]
@@ -276,7 +278,7 @@ DESCRIPTIONS = {
     "hf_bart": "Hugging Face BART (encoder-decoder: two block lists, cross-attention to the encoder's output)",
     "diffusers_dit": "diffusers DiT, class-conditional, in a denoising step (adaLN; a block's embedder called after"
                      " the trunk)",
-    "hf_mamba": "Hugging Face Mamba (state-space mixers, reference scan)",
+    "hf_mamba": "Hugging Face Mamba (state-space mixers, sharded per channel under tp; reference scan)",
     "hf_deepseek_v3": "Hugging Face DeepSeek-V3 (multi-head latent attention, first block dense, MoE with a shared"
                       " expert)",
     "hf_qwen3_moe": "Hugging Face Qwen3-MoE (per-head q/k norms, every block a mixture of experts)",

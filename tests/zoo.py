@@ -316,6 +316,7 @@ ZOO: dict[str, ZooEntry] = {
     "encoder_decoder": ZooEntry(_flow("EncoderDecoderLM"), "n_layers"),
     # not trained by the zoo: a step the pipeline cannot split right, for the setup verification to stop
     "early_exit_sum": ZooEntry(_flow("EarlyExitSumLM"), "n_layers"),
+    "batch_normed": ZooEntry(_flow("BatchNormedLM"), "n_layers"),
     "odd_parts": ZooEntry(lambda config: OddPartsLM(SmallConfig(**{"dim": 21, "n_heads": 3, "n_layers": 2,
                                                                    **config})), "n_layers"),
     # the same family in another configuration: other width and head count, one key/value head, untied head

@@ -181,3 +181,21 @@ class EarlyExitSumLM(nn.Module):
             if index == 0:
                 early = x
         return self.head(x + early)
+
+
+class BatchNormedLM(nn.Module):
+    """Normalizes the embeddings with BatchNorm (statistics over the samples a forward sees): microbatches change
+    the step, which the setup verification must name (with or without the unsplit model)."""
+
+    def __init__(self, config: FlowConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, config.dim)
+        self.norm = nn.BatchNorm1d(config.dim)
+        self.blocks = nn.ModuleList(EncoderBlock(config) for _ in range(config.n_layers))
+        self.head = nn.Linear(config.dim, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.norm(self.embed(tokens).transpose(1, 2)).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -70,7 +70,7 @@ from lightning_hybrid.tensor_parallel.apply import apply_tensor_parallel
 from lightning_hybrid.tensor_parallel.fallback import AppliedPlan
 from lightning_hybrid.tensor_parallel.vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
 from lightning_hybrid.pipeline.runtime import Pipeline, build_pipeline
-from lightning_hybrid.pipeline.verify import check_pipeline, check_stand_ins, checkable, tolerance
+from lightning_hybrid.pipeline.verify import check_pipeline, check_regrouped, check_stand_ins, checkable, tolerance
 from lightning_hybrid.options.schedules import PipelineSchedule
 
 @dataclass
@@ -127,7 +127,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         load_pretrained(module, options.weights)
     # 9. no stage computes with a stand-in (the check a model without an unsplit step still gets)
     if result.pipeline is not None and options.verify_pipeline and checkable(probe):
-        apply_stand_in_check(result.pipeline, probe)
+        apply_stand_in_check(result.pipeline, probe, precision)
     return result
 
 
@@ -144,12 +144,20 @@ def apply_pipeline_check(pipeline: Pipeline, probe: StepProbe, data_mesh: Option
                    " (verify_pipeline=False skips this)")
 
 
-def apply_stand_in_check(pipeline: Pipeline, probe: StepProbe) -> None:
-    """One pipelined step with NaN standing in for other stages' units (:func:`check_stand_ins`); its cost logged."""
+def apply_stand_in_check(pipeline: Pipeline, probe: StepProbe, precision: str) -> None:
+    """One pipelined step with NaN standing in for other stages' units (:func:`check_stand_ins`), and, where no
+    unsplit step checked what microbatching changes, one on the batch regrouped (:func:`check_regrouped`); the
+    cost logged."""
     start = time.perf_counter()
-    check_stand_ins(pipeline, probe)
-    rank_zero_info(f"HybridStrategy: no pipeline stage computes with what stands in for another stage's blocks"
-                   f" (checked in {time.perf_counter() - start:.2f} s; verify_pipeline=False skips this)")
+    loss = check_stand_ins(pipeline, probe)
+    regrouped = pipeline.unsplit is None and check_regrouped(pipeline, probe, loss, tolerance(precision))
+    if pipeline.unsplit is None and not regrouped:
+        rank_zero_warn("HybridStrategy: microbatches of one sample cannot be regrouped, so whether microbatching"
+                       " changes this model's step (BatchNorm, a loss coupling a batch's samples) was not checked:"
+                       " the unsplit model is not available at setup (meta device or weights=).")
+    rank_zero_info("HybridStrategy: no pipeline stage computes with what stands in for another stage's blocks"
+                   + (", and regrouping the batch's microbatches leaves the loss as it is" if regrouped else "")
+                   + f" (checked in {time.perf_counter() - start:.2f} s; verify_pipeline=False skips this)")
 
 
 def modules_called_outside(module: nn.Module, probe: StepProbe) -> list[nn.Module]:

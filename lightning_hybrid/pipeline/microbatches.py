@@ -28,6 +28,7 @@ import contextlib
 import inspect
 from typing import Any, Callable, Iterator, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
@@ -51,6 +52,20 @@ def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
     sizes differ by at most one sample), anything else repeated."""
     per_microbatch, spec = _split_leaves(batch, microbatches)
     return [tree_unflatten(leaves, spec) for leaves in per_microbatch]
+
+
+def regrouped(batch: Any, microbatches: int) -> Optional[Any]:
+    """The batch with its samples dealt to the microbatches in turn (sample ``j`` of microbatch ``i`` moves to
+    microbatch ``j mod microbatches``), so that every microbatch holds other samples together than before; ``None``
+    where microbatches hold one sample each or differ in size (no regrouping then changes what they hold)."""
+    size = samples(batch)
+    if size % microbatches or size // microbatches < 2:
+        return None
+    order = torch.arange(size).view(microbatches, -1).t().reshape(-1)
+    leaves, spec = tree_flatten(batch)
+    moved = [leaf[order.to(leaf.device)] if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == size
+             else leaf for leaf in leaves]
+    return tree_unflatten(moved, spec)
 
 
 def samples(batch: Any) -> int:

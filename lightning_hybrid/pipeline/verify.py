@@ -20,6 +20,10 @@ the whole pipeline is checked at setup, before any optimizer step, on the batch 
    units. A correct split never computes with a stand-in (what a stage needs from earlier stages arrives in its
    messages), so its loss and gradients stay finite; a stage whose step reads a value that does not reach it
    turns NaN, whatever the weights (a zero-initialized gate would hide a zero stand-in from step 2, not NaN).
+4. :func:`check_regrouped`, only where no unsplit step exists (it replaces step 1's microbatching check): the
+   pipelined step on the same batch with its samples dealt to other microbatches. A step on independent samples
+   gives the same loss however they are grouped; BatchNorm's statistics or a loss coupling a microbatch's samples
+   give another. Microbatches of one sample cannot be regrouped: there the check is skipped, and says so.
 
 Dropout is switched off in both runs (each stage draws its own masks: :class:`NoDropout`). The cost (one unsplit
 step with its backward, one forward per microbatch, one pipelined step) is logged; ``verify_pipeline=False``
@@ -46,7 +50,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_hybrid.pipeline.microbatches import counting_loss_terms, samples, split_microbatches
+from lightning_hybrid.pipeline.microbatches import counting_loss_terms, regrouped, samples, split_microbatches
 from lightning_hybrid.pipeline.split import StageSplit
 from lightning_hybrid.probe.step_probe import StepProbe
 
@@ -131,11 +135,15 @@ def _check_microbatching(probe: StepProbe, whole: float, microbatches: int) -> N
     if not math.isclose(combined, whole, rel_tol=1e-4, abs_tol=1e-6):
         raise PipelineMismatch(
             f"HybridStrategy(pp > 1) splits each batch into {microbatches} microbatches, and this model's step gives"
-            f" another loss on them than on the whole batch ({combined:.6g} vs {whole:.6g} on the first batch): layers"
-            " whose statistics depend on the batch (BatchNorm), a loss that couples the samples of a batch, or random"
-            " draws other than dropout (a class label dropped at random), which microbatches draw in other pieces."
-            " Pass pp_microbatches=1 (or pp=1); or verify_pipeline=False to train with per-microbatch semantics."
+            f" another loss on them than on the whole batch ({combined:.6g} vs {whole:.6g} on the first batch):"
+            f" {_COUPLED}"
         )
+
+
+_COUPLED = ("layers whose statistics depend on the batch (BatchNorm), a loss that couples the samples of a batch, or"
+            " random draws other than dropout (a class label dropped at random), which microbatches draw in other"
+            " pieces. Pass pp_microbatches=1 (or pp=1); or verify_pipeline=False to train with per-microbatch"
+            " semantics.")
 
 
 def checkable(probe: StepProbe) -> bool:
@@ -193,9 +201,10 @@ def check_pipeline(pipeline: Any, probe: StepProbe, reference: UnsplitStep, data
     return max(largest for _, _, largest in everyone)
 
 
-def check_stand_ins(pipeline: Any, probe: StepProbe) -> None:
+def check_stand_ins(pipeline: Any, probe: StepProbe) -> float:
     """One pipelined training step on the probe's batch with NaN in every stand-in (see the module docstring);
-    raises :class:`PipelineMismatch` on every rank if the loss or a gradient is not finite on some rank."""
+    raises :class:`PipelineMismatch` on every rank if the loss or a gradient is not finite on some rank, else
+    returns the step's loss."""
     with probe.isolated(), NoDropout():
         output, gradients = probe.run_on(lambda batch: pipeline.check_step(batch, stand_in=float("nan")))
     names = {id(p): name for name, p in pipeline.module.named_parameters(remove_duplicate=False)}
@@ -208,7 +217,7 @@ def check_stand_ins(pipeline: Any, probe: StepProbe) -> None:
     dist.all_gather_object(everyone, (pipeline.stage_ids, bad))
     wrong = [(stages, names) for stages, names in everyone if names]
     if not wrong:
-        return
+        return float(step_loss(output))
     stages, values = max(wrong, key=lambda item: max(item[0]))  # the latest: NaN flows back to earlier stages
     raise PipelineMismatch(
         f"HybridStrategy(pp={pipeline.schedule.pp}) verification: the pipelined step on {_stage_named(pipeline, max(stages))}"
@@ -216,6 +225,30 @@ def check_stand_ins(pipeline: Any, probe: StepProbe) -> None:
         f" {_value_named(values[0])}). The step uses a value computed on another stage that does not reach this one"
         f" through a block's arguments (compute it inside a block or pass it to the blocks). {_CUT_ELSEWHERE}"
     )
+
+
+def check_regrouped(pipeline: Any, probe: StepProbe, loss: float, tolerance: float) -> bool:
+    """The pipelined step on the probe's batch regrouped into other microbatches (:func:`regrouped`) against its
+    ``loss`` on the batch as it is (see the module docstring); raises :class:`PipelineMismatch` on every rank
+    (the loss is the same on all) if they differ; ``False`` where the batch cannot be regrouped."""
+    microbatches = pipeline.schedule.microbatches
+    with probe.isolated(), NoDropout():
+        output = probe.run_on(lambda batch: _step_regrouped(pipeline, batch, microbatches))
+    if output is None:
+        return False
+    other = float(step_loss(output))
+    if not math.isclose(other, loss, rel_tol=tolerance, abs_tol=1e-6):
+        raise PipelineMismatch(
+            f"HybridStrategy(pp > 1) splits each batch into {microbatches} microbatches, and this model's step gives"
+            f" another loss when the batch's samples are grouped into other microbatches ({other:.6g} vs {loss:.6g}"
+            f" on the first batch): {_COUPLED}"
+        )
+    return True
+
+
+def _step_regrouped(pipeline: Any, batch: Any, microbatches: int) -> Any:
+    other = regrouped(batch, microbatches)
+    return None if other is None else pipeline.check_step(other)[0]
 
 
 def _relative(got: Tensor, expected: Tensor, floor: float) -> float:

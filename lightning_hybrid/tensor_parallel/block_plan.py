@@ -33,10 +33,12 @@ from typing import Iterator, Mapping, Union
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_hybrid.tensor_parallel.dataflow import BlockTrace, attribute_holders
+from lightning_hybrid.tensor_parallel.attributes import attribute_subsets, attributes_to_scale
+from lightning_hybrid.tensor_parallel.dataflow import BlockTrace
 from lightning_hybrid.tensor_parallel.experts import ONCE, ExpertLayout, expert_layouts, holds_expert_stack
 from lightning_hybrid.tensor_parallel.heads import ColumnShard, add_head_ratios, column_options
-from lightning_hybrid.tensor_parallel.per_head import PerHead, head_counts, holds_tables_per_head, per_head_parameters
+from lightning_hybrid.tensor_parallel.per_head import (PerHead, channel_counts, head_counts, holds_tables_per_head,
+                                                       per_head_parameters)
 from lightning_hybrid.tensor_parallel.overrides import PlanEntry
 from lightning_hybrid.tensor_parallel.refusal import PlanRefusal
 
@@ -152,9 +154,9 @@ def plan_block(
     experts = [name for name, module in block.named_modules()
                if name not in overrides and name not in trace.linears and holds_expert_stack(module)]
     skip = {**overrides, **dict.fromkeys(experts, "experts")}
-    _reject_unplannable_modules(block, trace, skip)
-    custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
     roles = _classify(trace, overrides)
+    _reject_unplannable_modules(block, trace, skip, [name for name, role in roles.items() if role == "colwise"])
+    custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
     candidates: list[list[Group]] = [
         [_with_whole_inputs(group, trace, roles) for group in
          _group_candidates(block, trace, columns, rows, tp_size, {*skip, *trace.linears, *trace.opaque})]
@@ -184,15 +186,15 @@ def _expert_candidates(block: nn.Module, trace: BlockTrace, name: str, tp: int) 
     groups: list[Group] = []
     for layout in layouts:
         sizes = {module.get_parameter(param).shape[dim] // pieces for param, dim, pieces in layout if dim != ONCE}
-        likely, doubtful = _attributes_to_scale(trace, name, sizes, set(), block)
-        groups += [ExpertGroup(name, layout, list(subset)) for subset in _subsets(likely, doubtful)]
+        likely, doubtful = attributes_to_scale(trace, name, sizes, set(), block)
+        groups += [ExpertGroup(name, layout, list(subset)) for subset in attribute_subsets(likely, doubtful)]
     return groups[:_MAX_TRIALS]
 
 
 def _classify(trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> dict[str, str]:
     """Assign ``colwise``/``rowwise``/``replicate`` to every traced linear, demoting pairs that cannot hold. A row
     layer reads at least one column's shards; what else it reads must be whole (a rotary key part every head
-    shares)."""
+    shares, another row's reduced output: a state-space mixer's ``x_proj``, read by its scan)."""
     stream = {source for source in trace.output_sources if source.startswith("arg")}
     fixed = {**{name: _role_of(entry) for name, entry in overrides.items()},
              **dict.fromkeys(_latent_projections(trace, stream), "replicate")}
@@ -216,7 +218,7 @@ def _classify(trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> dict[str
                 all(roles.get(user) == "rowwise" for user in trace.consumers(name))
                 and bool(trace.consumers(name))
                 if role == "colwise"
-                else role != "rowwise" or ("colwise" in producers and producers <= {"colwise", "replicate"})
+                else role != "rowwise" or ("colwise" in producers and producers <= {"colwise", "replicate", "rowwise"})
             )
             if not ok:
                 roles[name], changed = "replicate", True
@@ -239,8 +241,10 @@ def _latent_projections(trace: BlockTrace, stream: set[str]) -> list[str]:
 
 
 def _with_whole_inputs(group: PairGroup, trace: BlockTrace, roles: dict[str, str]) -> PairGroup:
-    """``group`` with the whole layers its rows read directly (by heads only: gathered, everything is whole)."""
-    whole = sorted({s for row in group.rows for s in trace.linears[row].sources if roles.get(s) == "replicate"},
+    """``group`` with the whole layers its rows read directly, and its rows whose reduced output its layers read
+    (by heads only: gathered, everything is whole)."""
+    whole = sorted({s for row in group.rows for s in trace.linears[row].sources if roles.get(s) == "replicate"}
+                   | {s for name in group.layers for s in trace.linears[name].sources if s in group.rows},
                    key=list(trace.linears).index)
     if group.gathered or not whole:
         return group
@@ -280,13 +284,16 @@ def _pair_groups(trace: BlockTrace, roles: dict[str, str]) -> Iterator[tuple[lis
         yield sorted(columns, key=order.index), sorted(rows, key=order.index)
 
 
-def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: Mapping[str, PlanEntry]) -> None:
-    """Matrix-shaped parameters outside the traced linear layers cannot be sharded automatically: refuse, naming
-    the module (the strategy keeps it whole; ``tp_strict=True`` asks the user what to do)."""
+def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: Mapping[str, PlanEntry],
+                                columns: list[str]) -> None:
+    """Matrix-shaped parameters outside the traced linear layers cannot be sharded automatically unless they hold
+    a table per head, or per channel of ``columns`` beside them (a mixer's convolution): refuse, naming the module
+    (the strategy keeps it whole; ``tp_strict=True`` asks the user what to do)."""
     heads = head_counts(trace)
     for name, module in block.named_modules():
+        beside = [column for column in columns if _under_owner(name, _common_owner([column]))]
         if name in trace.linears or name in trace.opaque or isinstance(module, nn.Linear) or name in overrides \
-                or holds_tables_per_head(module, heads):
+                or holds_tables_per_head(module, heads | channel_counts(trace, beside)):
             continue
         own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
         if own:
@@ -329,6 +336,7 @@ def _head_candidates(
         raise PlanRefusal(str(refusal), modules=[*columns, *rows], reason=refusal.reason) from None
     owner = _common_owner([*columns, *rows])
     transposed = frozenset(name for name in [*columns, *rows] if trace.linears[name].transposed)
+    called = {*trace.linears, *trace.module_inputs}
     groups = []
     for choice in itertools.product(*shard_options):
         columns_map = {name: shard for name, (shard, _, _, _) in zip(columns, choice)}
@@ -338,11 +346,11 @@ def _head_candidates(
             sizes.update(option_sizes)
             kept |= option_kept
         add_head_ratios(sizes, kept, [heads for *_, option_heads in choice for heads in option_heads])
-        likely, doubtful = _attributes_to_scale(trace, owner, set(sizes), kept, block)
+        likely, doubtful = attributes_to_scale(trace, owner, set(sizes), kept, block)
         uneven = {value: size for value, size in sizes.items() if size != value // tp_size}
-        heads = {count for *_, option_heads in choice for count, _ in option_heads}
-        per_head = per_head_parameters(block, owner, heads, tp_size, skip)
-        for subset in _subsets(likely, doubtful):
+        heads = {count for *_, option_heads in choice for count, _ in option_heads} | channel_counts(trace, columns)
+        per_head = per_head_parameters(block, owner, heads, tp_size, skip, called)
+        for subset in attribute_subsets(likely, doubtful):
             groups += [PairGroup(columns_map, rows, owner, list(subset), transposed=transposed, sizes=uneven,
                                  per_head=tables) for tables in ([per_head, []] if per_head else [[]])]
     return groups
@@ -361,6 +369,10 @@ def _gathered_candidate(trace: BlockTrace, columns: list[str], rows: list[str], 
                      gathered=True)
 
 
+def _under_owner(name: str, owner: str) -> bool:
+    return not owner or name == owner or name.startswith(owner + ".")
+
+
 def _common_owner(names: list[str]) -> str:
     parts = [name.split(".")[:-1] for name in names]
     common = []
@@ -369,32 +381,3 @@ def _common_owner(names: list[str]) -> str:
             break
         common.append(level[0])
     return ".".join(common)
-
-
-def _attributes_to_scale(
-    trace: BlockTrace, owner: str, scaled: set[int], kept: set[int], block: nn.Module
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Integer attributes under ``owner``, read by the forward, whose value equals a size that becomes per-rank.
-
-    A value match is only a hint (a group count can equal a head count), so the caller tries subsets; attributes
-    whose value also equals a size that stays (e.g. the head size) are the doubtful ones.
-    """
-    likely, doubtful = [], []
-    for path, holder in attribute_holders(block):
-        if owner and path != owner and not path.startswith(owner + "."):
-            continue
-        for attr, value in vars(holder).items():
-            read = (path, attr) in trace.attribute_reads or path in trace.unobserved
-            if type(value) is int and read and value in scaled:
-                (doubtful if value in kept else likely).append((path, attr))
-    return likely, doubtful
-
-
-def _subsets(likely: list[tuple[str, str]], doubtful: list[tuple[str, str]]) -> Iterator[tuple[tuple[str, str], ...]]:
-    """Attribute sets to try: all likely ones first (head counts are the usual reason a value shows up in a
-    reshape), then fewer; doubtful ones are added to each likely set before it is tried without them."""
-    for size in range(len(likely), -1, -1):
-        for chosen in itertools.combinations(likely, size):
-            for extra in range(len(doubtful), -1, -1):
-                for added in itertools.combinations(doubtful, extra):
-                    yield chosen + added

@@ -122,7 +122,7 @@ class _SourceTracker(TorchFunctionMode):
         kwargs = kwargs or {}
         self._note_weight_use(func, args)
         out = func(*args, **kwargs)
-        sources = self.sources_of((args, kwargs))
+        sources = frozenset() if func in _FRESH else self.sources_of((args, kwargs))
         if sources:
             if self.on_call is not None:
                 self.on_call(func, args, kwargs, out, sources)
@@ -148,6 +148,10 @@ def _writes_in_place(func: Any, args: tuple) -> bool:
         name == "__setitem__" or (name.endswith("_") and not name.startswith("_")))
 
 
+#: Functions whose output takes only a shape, dtype or device from their tensor arguments (a scan's zero state
+#: built with ``x.new_zeros``): it carries no data of theirs.
+_FRESH = {torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full,
+          torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like}
 #: Functions that choose by value (which experts a token goes to).
 _SELECTIONS = {torch.topk, torch.Tensor.topk, torch.argmax, torch.Tensor.argmax, torch.argmin, torch.Tensor.argmin,
                torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort, torch.kthvalue}
@@ -300,12 +304,15 @@ def _feature_cut(func: Any, args: tuple, out: Any, source: str, trace: BlockTrac
     tensor, use = args[0], trace.linears.get(source)
     if use is None or tensor.dim() == 0:
         return None
-    width = tensor.shape[-1]
-    if width not in _feature_widths(use.out_features, trace, source):
-        return None
+    widths = _feature_widths(use.out_features, trace, source)
     if func in _SPLIT_FUNCTIONS and isinstance(out, (tuple, list)) and len(out) > 1:
-        if all(piece.dim() == tensor.dim() for piece in out) and _cuts_last_dim(tensor, out):
-            return FeatureCut(source, pieces=tuple(piece.shape[-1] for piece in out))
+        dim = _split_dim(tensor, out)
+        # the features moved by a transpose (Mamba: in_proj(x).transpose(1, 2).chunk(2, dim=1)) are still its pieces
+        moved = dim is not None and tensor.shape[-1] not in widths and tensor.dim() == use.out_dims
+        if dim is not None and tensor.shape[dim] in widths and (dim == tensor.dim() - 1 or moved):
+            return FeatureCut(source, pieces=tuple(piece.shape[dim] for piece in out))
+        return None
+    if tensor.shape[-1] not in widths:
         return None
     if func is torch.Tensor.__getitem__ and isinstance(out, torch.Tensor) and tensor.dim() == use.out_dims:
         span = _last_dim_slice(tensor, args[1] if len(args) > 1 else None)
@@ -340,10 +347,15 @@ def _feature_widths(out_features: int, trace: BlockTrace, source: str) -> set[in
     return widths
 
 
-def _cuts_last_dim(tensor: torch.Tensor, pieces: Any) -> bool:
-    return all(piece.shape[:-1] == tensor.shape[:-1] for piece in pieces) and sum(
-        piece.shape[-1] for piece in pieces
-    ) == tensor.shape[-1]
+def _split_dim(tensor: torch.Tensor, pieces: Any) -> int | None:
+    """The one dimension ``pieces`` cut ``tensor`` along (the others kept whole), or ``None``."""
+    if not all(isinstance(piece, torch.Tensor) and piece.dim() == tensor.dim() for piece in pieces):
+        return None
+    cut = {dim for piece in pieces for dim in range(tensor.dim()) if piece.shape[dim] != tensor.shape[dim]}
+    if len(cut) != 1:
+        return None
+    dim = cut.pop()
+    return dim if sum(piece.shape[dim] for piece in pieces) == tensor.shape[dim] else None
 
 
 def _split_factors(before: torch.Size, after: torch.Size) -> tuple[int, ...] | None:

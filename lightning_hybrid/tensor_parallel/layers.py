@@ -84,15 +84,18 @@ def _summed_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def forward_with(module: Any, parameters: dict[str, Tensor], args: tuple, kwargs: dict) -> Any:
-    """The forward of ``module``'s own class (the one :func:`local_class` derived from) with its parameters
-    ``parameters`` names replaced by the given tensors (local shards), put back afterwards even if it raises (the
-    plan check tries layouts that do)."""
-    held = {name: module._parameters[name] for name in parameters}
-    module._parameters.update(parameters)
+    """The forward of ``module``'s own class (the one :func:`local_class` derived from) with the parameters
+    ``parameters`` names (relative to ``module``: ``"A_log"``, ``"conv1d.weight"``) replaced by the given tensors
+    (local shards), put back afterwards even if it raises (the plan check tries layouts that do)."""
+    slots = {name: (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name in parameters}
+    held = {name: holder._parameters[leaf] for name, (holder, leaf) in slots.items()}
     try:
+        for name, (holder, leaf) in slots.items():
+            holder._parameters[leaf] = parameters[name]
         return super(type(module), module).forward(*args, **kwargs)
     finally:
-        module._parameters.update(held)
+        for name, (holder, leaf) in slots.items():
+            holder._parameters[leaf] = held[name]
 
 
 _LOCAL_CLASSES: dict[tuple[type, str], type] = {}

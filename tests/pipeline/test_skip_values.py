@@ -33,3 +33,19 @@ def test_without_an_unsplit_step_the_stand_in_check_stops_the_same_pipeline(tmp_
     assert ("the pipelined step on stage 1 ('model.blocks.2' .. 'model.blocks.3') computes with a value that stands"
             " in for another stage's blocks (NaN put there reaches the loss)") in message
     assert "[equivalence] training starts" not in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("init", ["eager", "meta"])
+def test_a_step_microbatching_changes_stops_at_setup_with_or_without_the_unsplit_model(init: str,
+                                                                                      tmp_path: Path) -> None:
+    # BatchNorm over each forward's samples: on the meta device no unsplit step exists, so the pipelined step on
+    # the batch's samples grouped into other microbatches shows it.
+    with pytest.raises(ScriptError) as raised:
+        run_script(["--model", "batch_normed", "--pp", 2, "--devices", 2, "--init", init, *SHORT_RUN,
+                    "--out", tmp_path / "run.pt"])
+    message = str(raised.value)
+    expected = ("another loss on them than on the whole batch" if init == "eager" else
+                "another loss when the batch's samples are grouped into other microbatches")
+    assert "PipelineMismatch" in message and expected in message and "pp_microbatches=1" in message
+    assert "[equivalence] training starts" not in message

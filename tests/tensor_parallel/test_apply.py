@@ -247,6 +247,22 @@ def test_fused_projection_laid_out_per_key_value_group_is_sharded_by_whole_group
 
 
 @pytest.mark.slow
+def test_state_space_mixer_is_sharded_per_channel_of_its_inner_dimension() -> None:
+    """Megatron's Mamba layout, found by data flow: in_proj by x|z pieces, the depthwise conv (its groups), A_log,
+    D and dt_proj per channel, x_proj a row whose reduced output (dt|B|C, read by every channel) gets its gradient
+    summed, dt_proj leaving its input gradient partial, out_proj a row."""
+    results = _run_two_ranks("selective_scan")
+    plan = {key.removeprefix("blocks.*.attn."): style for key, style in results["plan"].items()}
+    assert plan["in_proj"] == "colwise (strided x2)" and plan["x_proj"] == plan["out_proj"] == "rowwise"
+    assert plan["dt_proj"] == "colwise (input gradient summed at its source)"
+    assert {plan[name] for name in ("conv1d.weight", "conv1d.bias", "A_log", "D")} == {"per head (dim 0)"}
+    assert plan["inner"] == "÷tp"
+    (structure,) = results["plan"].structures
+    assert structure.kept_whole == () and structure.fraction > 0.95
+    assert results["output"] < 1e-5 and results["input_grad"] < 1e-5 and results["param_grad"] < 1e-5
+
+
+@pytest.mark.slow
 def test_user_styles_inside_blocks_win_over_the_automatic_choice() -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel

@@ -28,6 +28,6 @@ class _WritesKeysInPlace(nn.Module):
 
 def test_writes_into_a_view_reach_what_its_base_holds_and_choices_are_noted() -> None:
     trace = trace_block(_WritesKeysInPlace(), (torch.randn(2, 3, 8),), {})
-    assert trace.linears["out"].sources == {"arg0", "a", "b"}  # not only what new_empty was made from
+    assert trace.linears["out"].sources == {"a", "b"}  # what was written; new_empty takes only x's shape
     assert trace.selected == {"r"}
     assert trace.module_inputs == {"norm": frozenset({"a"})}

@@ -191,9 +191,10 @@ def test_parameters_held_per_head_are_found_by_shape() -> None:
     args, kwargs = record_step(model, blocks, lambda: model(torch.randint(0, 64, (2, 8)))).block_calls[0]
     trace = trace_block(model.model.layers[0], args, kwargs)
     assert head_counts(trace) == {4, 2}  # q's heads, k's and v's
-    found = per_head_parameters(model.model.layers[0], "self_attn", {4}, 2, set(trace.linears))
+    called = {*trace.linears, *trace.module_inputs}
+    found = per_head_parameters(model.model.layers[0], "self_attn", {4}, 2, set(trace.linears), called)
     assert found == [("self_attn", "sinks", 0)]
-    assert per_head_parameters(model.model.layers[0], "self_attn", {4}, 8, set(trace.linears)) == []  # 8 ∤ 4
+    assert per_head_parameters(model.model.layers[0], "self_attn", {4}, 8, set(trace.linears), called) == []  # 8 ∤ 4
     table = nn.Module()  # a position table (9 positions × 4 heads) is no unknown matrix; a 9 × 9 one is
     table.bias_table = nn.Parameter(torch.zeros(9, 4))
     assert holds_tables_per_head(table, {4}) and not holds_tables_per_head(table, {2})
