@@ -258,6 +258,29 @@ class ConvMLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x)))
 
 
+class ScoresReturningAttention(TimmAttention):
+    """Returns its attention probabilities next to its output, as Hugging Face's eager attention does."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        B, T = x.shape[:2]
+        q, k, v = self.qkv(x).reshape(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1) * self.head_dim**-0.5).softmax(-1)
+        return self.proj((scores @ v).transpose(1, 2).reshape(B, T, -1)), scores
+
+
+class ScoresReturningBlock(nn.Module):
+    """A decoder layer returning ``(hidden, attention probabilities)``; the model drops the probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(DIM), ScoresReturningAttention(), nn.LayerNorm(DIM), GeluMLP()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        attended, scores = self.attn(self.ln_1(x))
+        x = x + attended
+        return x + self.mlp(self.ln_2(x)), scores
+
+
 class SequentialBlock(nn.Module):
     """Pre-norm ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
 
@@ -301,4 +324,5 @@ def build(style: str) -> nn.Module:
         "mqa": lambda: SequentialBlock(MultiQueryAttention(), GeluMLP()),
         "grouped_qkv": lambda: SequentialBlock(GroupedQKVAttention(), GeluMLP()),
         "selective_scan": lambda: SequentialBlock(SelectiveScanMixer(), GeluMLP()),
+        "returns_scores": ScoresReturningBlock,
     }[style]()

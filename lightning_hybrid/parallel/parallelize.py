@@ -189,7 +189,8 @@ def apply_tensor_parallelism(module: nn.Module, blocks_path: str, blocks: BlockL
     keeps whole (:func:`held_modules_whole`), reported so."""
     applied = apply_tensor_parallel(module, blocks_path, blocks, probe.record().block_calls, mesh[TENSOR],
                                     tp_plan=options.tp_plan, verify=options.verify_tp_plan, apply_to=owned,
-                                    strict=options.tp_strict, held=implied)
+                                    strict=options.tp_strict, held=implied,
+                                    outputs_used=probe.record().block_outputs_used)
     if vocab:
         applied.styles.update(shard_vocab_layers(module, vocab, mesh[TENSOR], options.loss_parallel))
         applied.vocab = vocab.reason
@@ -248,7 +249,7 @@ def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: BlockList,
     if verify and pipeline.unsplit is None:
         rank_zero_info("HybridStrategy: the pipeline is not verified against the unsplit step (the model is on the"
                        " meta device, or setup does not run a training step); a meta-device model's pipeline is"
-                       " checked for stand-ins used once its values exist")
+                       " checked for stand-ins used, and for what microbatching changes, once its values exist")
     return pipeline
 
 

@@ -2,11 +2,12 @@
 the strategy that plans from it.
 
 :func:`record_step` runs the step once (gradients off) under forward hooks on the blocks and on every module
-outside them, a FLOP counter, and a ``TorchFunctionMode`` that notes each parameter a torch function reads. It
+outside them, a FLOP counter, and a ``TorchFunctionMode`` that notes each parameter (and block output) a torch function reads. It
 records, in one :class:`SetupRecord`:
 
 * what the first block of each block structure is called with (tensor-parallel planning and its check, the auto
-  layout's model measurement);
+  layout's model measurement), and which of its outputs the step goes on to compute with (a decoder layer
+  returning its attention probabilities next to the hidden states, which the model drops);
 * the phase (before, between, after the blocks) in which every module outside the blocks runs, and the largest
   first argument it is given (the vocabulary search: an embedding reading the batch's tokens);
 * every parameter outside the blocks: the phases it is read in and the module running when it is read (the stage
@@ -78,6 +79,9 @@ class SetupRecord:
     block_module_calls: dict[str, set[str]] = field(default_factory=dict)
     #: How every unit's (block or outer unit) output shapes follow its input shapes, from the calls seen.
     outputs: UnitShapes = field(default_factory=UnitShapes)
+    #: For the blocks of ``block_calls``: which leaves of the output (``tree_flatten`` order) the step computed
+    #: with afterwards.
+    block_outputs_used: dict[int, tuple[bool, ...]] = field(default_factory=dict)
 
     @property
     def outer_calls(self) -> dict[str, set[str]]:
@@ -96,7 +100,7 @@ def record_step(root: nn.Module, blocks: BlockList, run_step: Callable[[], Any],
     handles = recorder.attach()
     on_meta = meta_step() if any(p.is_meta for p in root.parameters()) else contextlib.nullcontext()
     try:
-        with torch.no_grad(), recorder.counter, ParameterUses(recorder.note_read), on_meta:
+        with torch.no_grad(), recorder.counter, TensorUses(recorder.note_use), on_meta:
             run_step()
     finally:
         for handle in handles:
@@ -141,20 +145,19 @@ def outer_modules(root: nn.Module, blocks: BlockList) -> tuple[dict[str, nn.Modu
     return found, direct
 
 
-class ParameterUses(TorchFunctionMode):
-    """Calls ``on_use(parameter)`` for every ``nn.Parameter`` a torch function computes a tensor from while the
-    mode is active."""
+class TensorUses(TorchFunctionMode):
+    """Calls ``on_use(tensor)`` for every tensor (parameters included) a torch function computes a tensor from while
+    the mode is active. Only uses that compute a tensor count: reading metadata (``p.dtype``, ``p.numel()``) is not."""
 
-    def __init__(self, on_use: Callable[[nn.Parameter], None]) -> None:
+    def __init__(self, on_use: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
         self._on_use = on_use
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         result = func(*args, **(kwargs or {}))
-        # Only uses that compute a tensor count: reading metadata (``p.dtype``, ``p.shape``, ``p.numel()``) is not.
         if any(isinstance(v, torch.Tensor) for v in tree_leaves(result)):
             for value in tree_leaves((args, kwargs or {})):
-                if isinstance(value, nn.Parameter):
+                if isinstance(value, torch.Tensor):
                     self._on_use(value)
         return result
 
@@ -201,6 +204,9 @@ class _Recorder:
         self.blocks_running = 0
         self.called_from_outside: dict[str, set[str]] = {}
         self.outside_call: Optional[str] = None  # the block module called from outside that is running
+        # The captured blocks' output tensors (kept alive, so that their ids stay theirs) → (block, leaf index).
+        self.block_outputs: dict[int, tuple[int, int, torch.Tensor]] = {}
+        self.outputs_used: dict[int, list[bool]] = {}
 
     def __deepcopy__(self, memo: dict) -> "_Recorder":
         # A hooked module the step deep-copies (an EMA copy, a metric's clone) copies its hooks: they share this
@@ -261,6 +267,11 @@ class _Recorder:
             self.marks["trunk"] = self.marks["block"]
 
     def _block_finished(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if index in self.capture and index not in self.outputs_used:
+            leaves = tree_leaves(output)
+            self.outputs_used[index] = [False] * len(leaves)
+            self.block_outputs.update({id(leaf): (index, position, leaf) for position, leaf in enumerate(leaves)
+                                       if isinstance(leaf, torch.Tensor)})
         self.blocks_running -= 1
         self.block_flops[index] += self.counter.get_total_flops() - self.marks["block"]
         if index == len(self.blocks) - 1:
@@ -276,10 +287,19 @@ class _Recorder:
     def _left(self, *_: Any) -> None:  # returns None: a forward hook's result would replace the module's output
         self.running.pop()
 
-    def note_read(self, parameter: nn.Parameter) -> None:
-        """A torch function used ``parameter``: the phase and the running module, under each of its names."""
+    def note_use(self, tensor: torch.Tensor) -> None:
+        """A torch function computed with ``tensor``: a parameter read (:meth:`note_read`), or a captured block's
+        output used."""
         if self.copying:
             return
+        if isinstance(tensor, nn.Parameter):
+            self.note_read(tensor)
+        elif id(tensor) in self.block_outputs:
+            index, position, _ = self.block_outputs[id(tensor)]
+            self.outputs_used[index][position] = True
+
+    def note_read(self, parameter: nn.Parameter) -> None:
+        """A torch function used ``parameter``: the phase and the running module, under each of its names."""
         reader = self.running[-1] if self.running else ""
         for name in self.names_of.get(id(parameter), ()):
             self.reads.setdefault(name, set()).add(self.phase)
@@ -296,6 +316,7 @@ class _Recorder:
             parameter_readers={name: self.readers.get(name, set()) for name in names},
             outer_units=units, direct_parameters=direct, outputs=self.outputs,
             block_module_calls=self.called_from_outside,
+            block_outputs_used={index: tuple(used) for index, used in self.outputs_used.items()},
         )
 
 

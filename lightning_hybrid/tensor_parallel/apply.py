@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from lightning_hybrid._compat import tree_map
+from lightning_hybrid._compat import tree_flatten, tree_map
 from lightning_hybrid.probe.blocks import BlockList, block_structures
 from lightning_hybrid.probe.record import BlockCall, block_call
 from lightning_hybrid.tensor_parallel.dataflow import trace_block
@@ -140,6 +140,7 @@ def apply_tensor_parallel(
     apply_to: Optional[Sequence[int]] = None,
     strict: bool = False,
     held: Optional[Mapping[str, PlanEntry]] = None,
+    outputs_used: Optional[Mapping[int, Sequence[bool]]] = None,
 ) -> AppliedPlan:
     """Plan tensor parallelism once per block structure (blocks that differ — dense and mixture-of-experts
     layers, a first block owning a shared module — get a plan each, on their first block's call in
@@ -147,7 +148,8 @@ def apply_tensor_parallel(
     indexes, this rank's pipeline stages) and to ``tp_plan``'s other entries. What the planner refuses stays whole
     on every tp rank (:mod:`lightning_hybrid.tensor_parallel.fallback`); with ``strict`` the refusal is raised.
     ``held``: patterns of the blocks' modules the layout itself keeps whole (a pipeline holds them on another stage
-    too), reported as kept whole with that reason.
+    too), reported as kept whole with that reason. ``outputs_used``: for a block of ``block_calls``, which leaves of
+    its output the step computes with (the record's ``block_outputs_used``); the plan is checked on those only.
     Returns the applied plan: ``{module name pattern: style}`` and the report per block structure."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
     outside = {name: entry for name, entry in overrides.items() if not blocks.contains_name(name)}
@@ -158,7 +160,8 @@ def apply_tensor_parallel(
         if not targets:
             continue  # another pipeline stage's blocks
         plan, kept = _structure_plan(root, blocks_path, blocks, block_call(block_calls, indices[0]), mesh, indices,
-                                     tp_plan=tp_plan, verify=verify, strict=strict, held=held or {})
+                                     tp_plan=tp_plan, verify=verify, strict=strict, held=held or {},
+                                     used=(outputs_used or {}).get(indices[0]))
         for index in targets:
             block = blocks[index]
             was_training = block.training
@@ -179,14 +182,15 @@ def apply_tensor_parallel(
 
 def _structure_plan(root: nn.Module, blocks_path: str, blocks: BlockList, call: tuple[tuple, dict], mesh: DeviceMesh,
                     indices: Sequence[int], *, tp_plan: Mapping[str, PlanEntry], verify: bool, strict: bool,
-                    held: Mapping[str, PlanEntry]) -> tuple[BlockPlan, list[KeptWhole]]:
+                    held: Mapping[str, PlanEntry], used: Optional[Sequence[bool]]) -> tuple[BlockPlan, list[KeptWhole]]:
     """The plan of the blocks ``indices`` (one structure) and what it keeps whole: ``held``'s modules, then what
     the planner refuses."""
     explicit = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in indices])
     whole = list(block_tp_overrides(root, held, [blocks.name(i) for i in indices]))
     plan, kept = plan_keeping_whole(
         lambda keep: plan_tensor_parallel(root, blocks_path, blocks, call, mesh, tp_plan=tp_plan, verify=verify,
-                                          indices=indices, keep_whole=[*whole, *keep]), explicit, strict)
+                                          indices=indices, keep_whole=[*whole, *keep], used_outputs=used),
+        explicit, strict)
     kept = [KeptWhole(tuple(whole), _HELD_REASON), *kept] if whole else kept
     if not plan.groups and not plan.custom and not kept:
         log.warning(f"Tensor parallelism found no layers to shard in {type(blocks[indices[0]]).__name__}.")
@@ -208,19 +212,23 @@ def plan_tensor_parallel(
     verify: bool,
     indices: Optional[Sequence[int]] = None,
     keep_whole: Collection[str] = (),
+    used_outputs: Optional[Sequence[bool]] = None,
 ) -> BlockPlan:
     """The plan for the blocks ``indices`` names (all blocks by default; they must share one structure), from
     the first one's data flow on ``block_call``, leaving the modules ``keep_whole`` names (relative to a block)
     whole; with ``verify``, each pair group's candidates and then the whole plan are checked against the unsharded
     block on ``mesh`` (collective over it; raises :class:`PlanCheckFailed` naming the layers to keep whole if no
-    candidate computes the same). What the planner refuses raises a
-    :class:`~lightning_hybrid.tensor_parallel.refusal.PlanRefusal`."""
+    candidate computes the same). ``used_outputs``: which leaves of the block's output the step computes with;
+    the others (attention probabilities a decoder layer returns and the model drops) are neither planned for nor
+    checked. What the planner refuses raises a :class:`~lightning_hybrid.tensor_parallel.refusal.PlanRefusal`."""
     indices = list(range(len(blocks))) if indices is None else list(indices)
     in_block = block_tp_overrides(root, tp_plan, [blocks.name(i) for i in indices])
     in_block.update(dict.fromkeys(keep_whole, "replicate"))
     accelerator_rng = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator_rng):  # planning must not shift the user's random streams
         reference = _reference_copy(blocks[indices[0]], mesh)
+        if used_outputs is not None and any(used_outputs):  # its sharded copies inherit the hook
+            reference.register_forward_hook(functools.partial(_used_leaves, tuple(used_outputs)))
         args, kwargs = _check_inputs(block_call, reference, mesh)
         reference.eval()  # dropout would make the unsharded and sharded outputs differ
         trace = trace_block(reference, args, kwargs)
@@ -318,6 +326,12 @@ def _collective_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _used_leaves(used: tuple[bool, ...], module: nn.Module, inputs: tuple, output: Any) -> Any:
+    """The output's leaves the step computes with (all of them where the output is not laid out as recorded)."""
+    leaves, _ = tree_flatten(output)
+    return output if len(leaves) != len(used) else tuple(leaf for leaf, kept in zip(leaves, used) if kept)
 
 
 def _reference_copy(block: nn.Module, mesh: DeviceMesh) -> nn.Module:

@@ -159,7 +159,25 @@ def shard_vocab_layers(root: nn.Module, layers: VocabLayers, mesh: DeviceMesh,
     if layers.embedding is not None:
         _parallelize_keeping_ties(root, layers.embedding, mesh, RowwiseParallel(input_layouts=Replicate()))
         applied[layers.embedding] = "rowwise (vocab)" + (" tied" if layers.tied else "")
+        for name in _lookups_sharing(root, layers.embedding):
+            _look_up_shared_weight(root.get_submodule(name), root.get_submodule(layers.embedding).weight, mesh)
+            applied[name] = "rowwise (vocab) tied"
     return applied
+
+
+def _lookups_sharing(root: nn.Module, embedding: str) -> list[str]:
+    """Other ``nn.Embedding`` modules holding ``embedding``'s weight (an encoder-decoder's ``encoder.embed_tokens``
+    and ``decoder.embed_tokens``, tied to ``shared``): they look up the same, now sharded, table."""
+    weight = root.get_submodule(embedding).weight
+    return [name for name, module in root.named_modules() if name != embedding and isinstance(module, nn.Embedding)
+            and type(module).forward is nn.Embedding.forward and module.weight is weight]
+
+
+def _look_up_shared_weight(module: nn.Module, weight: nn.Parameter, mesh: DeviceMesh) -> None:
+    """Make ``module`` look up its rows of the sharded ``weight`` as the embedding does (the style's hooks), the
+    parameter kept the one the tied modules share (the style wraps it anew)."""
+    parallelize_module(module, mesh, RowwiseParallel(input_layouts=Replicate()))
+    module.weight = weight
 
 
 def _parallelize_keeping_ties(root: nn.Module, name: str, mesh: DeviceMesh, style: ParallelStyle) -> None:

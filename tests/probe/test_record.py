@@ -161,6 +161,33 @@ def test_modules_of_a_block_called_from_outside_it_are_recorded_with_their_phase
     assert record.block_module_calls == {"blocks.0.up": {AFTER}, "blocks.1.down": {BEFORE}}
 
 
+def test_which_block_outputs_the_step_computes_with_is_recorded() -> None:
+    class Pairs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([_ScoresBlock(), _ScoresBlock()])
+
+        def forward(self, x: Tensor) -> Tensor:
+            for block in self.blocks:
+                x, scores = block(x)
+            return x.sum() + 0 * scores.sum() if self.training else x.sum()
+
+    model = Pairs().eval()
+    _, blocks = find_block_list(model)
+    assert record_step(model, blocks, lambda: model(torch.randn(2, 8))).block_outputs_used == {0: (True, False)}
+    model.train()  # the last block's scores are read, the first block's still not: what counts is the first's
+    assert record_step(model, blocks, lambda: model(torch.randn(2, 8))).block_outputs_used == {0: (True, False)}
+
+
+class _ScoresBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.tanh(self.linear(x)), self.linear(x).softmax(-1)
+
+
 def test_a_meta_model_is_recorded_through_value_reads_and_grouped_matmuls_its_kernels_refuse() -> None:
     class Routed(nn.Module):
         def __init__(self) -> None:

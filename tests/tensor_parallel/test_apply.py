@@ -187,8 +187,10 @@ def test_plan_patterns_must_match_and_name_a_style() -> None:
 
 
 # ------------------------------------------------------------------------------------------- two-rank checks
-def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict, strict: bool = False) -> None:
-    """Apply the automatic plan on 2 ranks and measure output/gradient differences against the whole block."""
+def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict, strict: bool = False,
+                          outputs_used: tuple[bool, ...] | None = None) -> None:
+    """Apply the automatic plan on 2 ranks and measure output/gradient differences against the whole block (its
+    first output where ``outputs_used`` says the step drops the others)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -201,10 +203,13 @@ def _sharded_vs_unsharded(rank: int, results: dict, style: str, tp_plan: dict, s
     reference = copy.deepcopy(root.blocks[0])
     x = torch.randn(2, 8, block_zoo.DIM, generator=torch.Generator().manual_seed(1))
     plan = apply_tensor_parallel(root, "blocks", BlockList("blocks", root.blocks), {0: ((x,), {})}, mesh,
-                                 tp_plan=tp_plan, verify=True, strict=strict)
+                                 tp_plan=tp_plan, verify=True, strict=strict,
+                                 outputs_used={0: outputs_used} if outputs_used else None)
     sharded = root.blocks[0]
     x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref, out_tp = reference(x_ref), sharded(x_tp)
+    if outputs_used:
+        out_ref, out_tp = out_ref[0], out_tp[0]
     (out_ref.square().sum()).backward()
     (out_tp.square().sum()).backward()
     grad_error = 0.0
@@ -259,6 +264,16 @@ def test_state_space_mixer_is_sharded_per_channel_of_its_inner_dimension() -> No
     assert plan["inner"] == "÷tp"
     (structure,) = results["plan"].structures
     assert structure.kept_whole == () and structure.fraction > 0.95
+    assert results["output"] < 1e-5 and results["input_grad"] < 1e-5 and results["param_grad"] < 1e-5
+
+
+@pytest.mark.slow
+def test_outputs_the_step_drops_do_not_keep_the_attention_from_being_sharded_by_heads() -> None:
+    """A decoder layer returning its attention probabilities (the model drops them): planned and checked on the
+    hidden states only, the attention is sharded by heads, not gathered."""
+    results = on_two_ranks(_sharded_vs_unsharded, "returns_scores", {}, False, (True, False))
+    assert results["plan"]["blocks.*.attn.qkv"] == "colwise (strided x3)"
+    assert results["plan"]["blocks.*.attn.proj"] == "rowwise"
     assert results["output"] < 1e-5 and results["input_grad"] < 1e-5 and results["param_grad"] < 1e-5
 
 

@@ -102,3 +102,51 @@ def test_a_tied_pair_keeps_one_sharded_weight_and_computes_the_same() -> None:
                                   "model.transformer.wte": "rowwise (vocab) tied"}
     assert results["same_weight"] and results["local"] == (32, 32) and results["plain_logits"]
     assert results["logits"] < 1e-6 and results["grad"] < 1e-5
+
+
+class _SharedLookupsLM(nn.Module):
+    """T5's layout: encoder and decoder each look tokens up with their own module holding the one table of
+    ``shared`` (which the step never calls), and the head is tied to it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared, self.encoder_embed, self.decoder_embed = (nn.Embedding(64, 16) for _ in range(3))
+        self.encoder_embed.weight = self.decoder_embed.weight = self.shared.weight
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        memory = self.blocks[0](self.encoder_embed(tokens))
+        return self.head(self.blocks[1](self.decoder_embed(tokens.roll(1, dims=1)) + memory))
+
+
+def _shared_lookups_sharded(rank: int, results: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_hybrid.tensor_parallel.vocab import shard_vocab_layers
+
+    torch.manual_seed(0)
+    module = _SharedLookupsLM()
+    reference = copy.deepcopy(module)
+    applied = shard_vocab_layers(module, _found(module), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    logits, expected = module(tokens), reference(tokens)
+    logits.square().sum().backward()
+    expected.square().sum().backward()
+    grad = module.shared.weight.grad.full_tensor()
+    if rank == 0:
+        results.update(applied=applied, logits=float((logits - expected).abs().max() / expected.abs().max()),
+                       one_weight=len({id(m.weight) for m in (module.shared, module.encoder_embed,
+                                                             module.decoder_embed, module.head)}),
+                       grad=float((grad - reference.shared.weight.grad).abs().max()
+                                  / reference.shared.weight.grad.abs().max()))
+
+
+@pytest.mark.slow
+def test_every_lookup_module_holding_the_sharded_table_looks_up_its_rows() -> None:
+    results = on_two_ranks(_shared_lookups_sharded)
+    assert results["applied"] == {"head": "colwise (vocab, logits gathered) tied",
+                                  "encoder_embed": "rowwise (vocab) tied", "shared": "rowwise (vocab) tied",
+                                  "decoder_embed": "rowwise (vocab) tied"}
+    assert results["one_weight"] == 1 and results["logits"] < 1e-6 and results["grad"] < 1e-5
