@@ -55,6 +55,8 @@ CASES: dict[str, tuple[str, ...]] = {
     "hf_qwen3_moe": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "hf_olmo2": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "hf_gpt_oss": ("dp2", "tp2", "pp2", "tp2_pp2"),
+    "hf_zamba2": ("dp2", "tp2", "pp2", "tp2_pp2"),
+    "hf_llama4": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "litgpt": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "hf_swin": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "peft_lora": ("dp2", "tp2", "pp2", "tp2_pp2"),
@@ -64,7 +66,7 @@ CASES: dict[str, tuple[str, ...]] = {
 
 
 #: Families whose head is the token embedding's weight (one weight, sharded once).
-TIED = {"tied", "hf_gpt2", "hf_qwen2", "hf_bert", "hf_mamba"}
+TIED = {"tied", "hf_gpt2", "hf_qwen2", "hf_bert", "hf_mamba", "hf_zamba2"}
 #: Families whose vocabulary stays whole over tp (the embedding is also read elsewhere: a decoder's input, a
 #: conditioning; several embedding/head pairs), and one whose embedding alone is sharded (no head of its width).
 VOCAB_WHOLE = {"hf_bart", "diffusers_dit", "two_lists", "encoder_decoder"}
@@ -146,7 +148,8 @@ def test_zoo_embedding_and_head_are_sharded_over_the_vocabulary(model: str, layo
     result = zoo_runs(layout)[model]
     vocab_styles = {name: style for name, style in result["tp_plan"].items() if "(vocab" in style}
     expected = [] if model in VOCAB_WHOLE else ["rowwise"] if model in EMBEDDING_ONLY else ["colwise", "rowwise"]
-    assert sorted(style.split()[0] for style in vocab_styles.values()) == expected, result["tp_plan"]
+    # (several embedding modules may hold the one table: T5's ``shared`` and ``encoder.embed_tokens``)
+    assert sorted({style.split()[0] for style in vocab_styles.values()}) == expected, result["tp_plan"]
     if not vocab_styles:
         return
     ranks = result["rank_local_shapes"]
@@ -193,6 +196,11 @@ TP_STYLES = {
                  "model.backbone.layers.*.mixer.dt_proj.weight": "per head (dim 0)",
                  "model.backbone.layers.*.mixer.A_log": "per head (dim 0)"},
     "diffusers_dit": {"model.dit.transformer_blocks.*.norm1.linear": "colwise (output gathered)"},
+    # a block every hybrid layer holds (its weights tied across them): sharded once, by heads
+    "hf_zamba2": {"model.model.layers.1.shared_transformer.self_attn.q_proj": "colwise",
+                  "model.model.layers.3.shared_transformer.self_attn.o_proj": "rowwise"},
+    # the shared expert's output, changed in place by the routed experts' (add_), sharded with the others
+    "hf_llama4": {"model.model.layers.1.feed_forward.shared_expert.down_proj": "rowwise"},
 }
 
 
@@ -248,12 +256,15 @@ def test_blocks_in_a_module_dict_are_found_by_structure() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the README's table
-#: Family × layout → what tensor parallelism keeps whole on every tp rank there (the README's note; the first
-#: block's modules the report names) and the refusal ``tp_strict=True`` gives instead.
-KEPT_WHOLE: dict[tuple[str, str], tuple[str, tuple[str, ...], str]] = {
-    (model, layout): (note, modules, refusal) for model, (note, modules, refusal) in {
+#: Family × layout → what tensor parallelism keeps whole on every tp rank there (the README's note; the modules
+#: the report names for the block structure whose index comes last) and the refusal ``tp_strict=True`` gives instead.
+KEPT_WHOLE: dict[tuple[str, str], tuple[str, tuple[str, ...], str, int]] = {
+    (model, layout): (note, modules, refusal, structure) for model, (note, modules, refusal, structure) in {
         "diffusers_dit": ("the class-label table kept whole over tp", ("norm1.emb.class_embedder.embedding_table",),
-                          r"cannot shard Embedding 'norm1\.emb\.class_embedder\.embedding_table'"),
+                          r"cannot shard Embedding 'norm1\.emb\.class_embedder\.embedding_table'", 0),
+        # Mamba-2 mixers with fewer groups than tp ranks: projections gathered, the hybrid layers' conv kept whole
+        "hf_zamba2": ("the hybrid layers' Mamba-2 convolution kept whole over tp", ("mamba_decoder.mamba.conv1d",),
+                      r"cannot shard Conv1d 'mamba_decoder\.mamba\.conv1d'", 1),
     }.items() for layout in CASES[model]
     # under pp the DiT's embedder is whole in every block anyway: the stage that calls it after the trunk holds it too
     if "tp" in layout and not (model == "diffusers_dit" and "pp" in layout)
@@ -285,6 +296,10 @@ DESCRIPTIONS = {
     "hf_olmo2": "Hugging Face OLMo 2 (q/k RMSNorm over the whole projection width)",
     "hf_gpt_oss": "Hugging Face GPT-OSS (attention sinks, sliding/full attention, experts with biases and"
                   " interleaved gate|up)",
+    "hf_zamba2": "Hugging Face Zamba2 (Mamba-2 layers; a transformer block shared by every hybrid layer, its weights"
+                 " tied across them)",
+    "hf_llama4": "Hugging Face Llama 4 text (dense and MoE blocks interleaved, shared expert, a router returning"
+                 " scores and logits)",
     "litgpt": "litgpt's own GPT (`transformer = ModuleDict(wte, h, ln_f)`, fused q|k|v with grouped queries)",
     "hf_swin": "Hugging Face Swin on tokens as an image (hierarchical stages, patch merging, relative position"
                " tables)",
@@ -299,7 +314,7 @@ def readme_models_table() -> str:
     saying what tensor parallelism keeps whole there, – = not run."""
     header = "| model | " + " | ".join(LAYOUTS) + " |"
     lines = [header, "|" + " --- |" * (len(LAYOUTS) + 1)]
-    notes = {key: note for key, (note, _, _) in KEPT_WHOLE.items()} | {
+    notes = {key: note for key, (note, *_) in KEPT_WHOLE.items()} | {
         ("diffusers_dit", layout): "each block's embedder kept whole over tp: the last stage calls it too"
         for layout in CASES["diffusers_dit"] if "tp" in layout and "pp" in layout}
     for model, layouts in CASES.items():
@@ -318,7 +333,7 @@ def test_the_readme_table_is_the_zoo() -> None:
 def test_what_tp_keeps_whole_is_what_tp_strict_refuses(model: str, layout: str) -> None:
     import torch
 
-    from lightning_hybrid.probe.blocks import find_block_list
+    from lightning_hybrid.probe.blocks import block_structures, find_block_list
     from lightning_hybrid.probe.record import record_step
     from lightning_hybrid.tensor_parallel.dataflow import trace_block
     from lightning_hybrid.tensor_parallel.block_plan import plan_block
@@ -326,9 +341,10 @@ def test_what_tp_keeps_whole_is_what_tp_strict_refuses(model: str, layout: str) 
     module = build_module(model)
     _, blocks = find_block_list(module)
     tokens = torch.randint(0, 64, (2, 16))
-    args, kwargs = record_step(module, blocks, lambda: module(tokens)).block_calls[0]
+    first = block_structures(blocks)[KEPT_WHOLE[(model, layout)][3]][0]
+    args, kwargs = record_step(module, blocks, lambda: module(tokens)).block_calls[first]
     with pytest.raises(ValueError, match=KEPT_WHOLE[(model, layout)][2]):
-        plan_block(blocks[0], trace_block(blocks[0], args, kwargs), 2)
+        plan_block(blocks[first], trace_block(blocks[first], args, kwargs), 2)
 
 
 @pytest.mark.slow
@@ -336,5 +352,5 @@ def test_what_tp_keeps_whole_is_what_tp_strict_refuses(model: str, layout: str) 
     pytest.param(model, layout, marks=[pytest.mark.extended] if layout in EXTENDED_LAYOUTS else [])
     for model, layout in KEPT_WHOLE])
 def test_what_tp_keeps_whole_is_reported(model: str, layout: str, zoo_runs) -> None:
-    first = zoo_runs(layout)[model]["tp_plan"].structures[0]
+    first = zoo_runs(layout)[model]["tp_plan"].structures[KEPT_WHOLE[(model, layout)][3]]
     assert first.kept_whole[0].modules == KEPT_WHOLE[(model, layout)][1] and first.extra_bytes > 0

@@ -308,6 +308,8 @@ ZOO: dict[str, ZooEntry] = {
     "hf_qwen3_moe": ZooEntry(hf.hugging_face_qwen3_moe, "num_hidden_layers"),
     "hf_olmo2": ZooEntry(hf.hugging_face_olmo2, "num_hidden_layers"),
     "hf_gpt_oss": ZooEntry(hf.hugging_face_gpt_oss, "num_hidden_layers"),
+    "hf_zamba2": ZooEntry(hf.hugging_face_zamba2, "num_hidden_layers"),
+    "hf_llama4": ZooEntry(hf.hugging_face_llama4, "num_hidden_layers"),
     "hf_swin": ZooEntry(hf.TokensAsImageSwin, "layers"),
     "diffusers_dit": ZooEntry(hf.TokensAsLatentsDiT, "layers"),
     "peft_lora": ZooEntry(hf.peft_lora_llama, "num_hidden_layers"),

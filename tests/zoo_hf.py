@@ -194,6 +194,33 @@ def hugging_face_gpt_oss(config: dict[str, Any]) -> nn.Module:
     return GptOssForCausalLM(GptOssConfig(**{**settings, **config}))
 
 
+def hugging_face_zamba2(config: dict[str, Any]) -> nn.Module:
+    """``Zamba2ForCausalLM``: Mamba-2 layers with, every other layer, a transformer block that all hybrid layers
+    share (one module per layer, its weights tied across them by transformers)."""
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    settings = dict(_DECODER, num_key_value_heads=4, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                    mamba_ngroups=1, mamba_headdim=8, n_mamba_heads=8, num_mem_blocks=1, chunk_size=8,
+                    use_shared_attention_adapter=False, adapter_rank=4, use_mem_rope=True, use_cache=False)
+    settings.pop("max_position_embeddings")
+    layers = config.get("num_hidden_layers", settings["num_hidden_layers"])
+    settings["layers_block_type"] = ["mamba", "hybrid"] * (layers // 2)
+    return Zamba2ForCausalLM(Zamba2Config(**{**settings, **config}))
+
+
+def hugging_face_llama4(config: dict[str, Any]) -> nn.Module:
+    """``Llama4ForCausalLM`` (text): dense and mixture-of-experts blocks interleaved, a shared expert next to the
+    routed ones, a router that is an ``nn.Linear`` returning scores and logits, chunked attention without rotary
+    embeddings in some layers."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    settings = dict(_DECODER, num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64, num_local_experts=4,
+                    num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8, use_cache=False)
+    layers = config.get("num_hidden_layers", settings["num_hidden_layers"])
+    settings["no_rope_layers"] = [1, 1, 1, 0] * (layers // 4) + [1] * (layers % 4)
+    return Llama4ForCausalLM(Llama4TextConfig(**{**settings, **config}))
+
+
 class TokensAsImageSwin(nn.Module):
     """An unmodified hierarchical ``SwinModel`` on the tokens as a 16×16 image of embeddings (4×4 patches of a
     token each, windows of 2×2 patches, a patch-merging step between its two stages), a linear head per token

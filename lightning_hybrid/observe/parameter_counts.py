@@ -72,7 +72,7 @@ def held_parameters(module: nn.Module, pipeline: Optional[Any] = None) -> dict[s
     """This rank's parameters by a name that is the same on every rank holding them: a weight shared by pipeline
     stages under the pipeline's name for it (its names differ between the stages: ``wte.weight``, ``head.weight``),
     any other parameter under its first name."""
-    shared = {id(module.get_parameter(entry.names[0])): entry.names[0] for entry in pipeline.shared} if pipeline else {}
+    shared = {id(module.get_parameter(entry.held_as)): entry.names[0] for entry in pipeline.shared} if pipeline else {}
     names: dict[int, list[str]] = {}
     parameters: dict[int, Tensor] = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):

@@ -43,6 +43,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_hybrid._compat import StridedShard
+from lightning_hybrid.probe.blocks import shared_between_blocks
 
 
 #: ``HybridOptions.reduce_dtype`` (checked and canonical) → the dtype gradients are reduced in.
@@ -81,8 +82,8 @@ def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, o
                data_group: Any = None, called_outside: Iterable[nn.Module] = ()) -> None:
     """Shard each block as one FSDP2 unit, then the root (embeddings, final norm, head and anything left).
     ``called_outside``: modules of the blocks that the step also calls from outside their block (diffusers' DiT
-    calls ``transformer_blocks[0].norm1.emb``), each its own unit first: a block's unit gathers its parameters
-    only around the block's own forward.
+    calls ``transformer_blocks[0].norm1.emb``), each its own unit first, as is a module several blocks hold
+    (:func:`~lightning_hybrid.probe.blocks.shared_between_blocks`).
 
     ``mesh`` is the data-parallel mesh: 1-D for plain sharding, 2-D ``(replicate, shard)`` for HSDP. FSDP2 refuses
     scalar (0-dimensional) parameters (a learned temperature, a logit scale): they stay whole on every rank and
@@ -97,10 +98,11 @@ def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, o
     )
     blocks = list(blocks)
     inside = {id(m) for block in blocks for m in block.modules()}
-    for module in called_outside:
-        if id(module) in inside:
-            fully_shard(module, reshard_after_forward=options.zero == 3,
-                        ignored_params=scalars & set(module.parameters()), **common)
+    # Own units first: a block's unit gathers its parameters only around the block's own forward, and FSDP2 lets
+    # one unit manage a parameter (a module several blocks hold is called by each of them).
+    for modules in [*([m] for m in called_outside if id(m) in inside), *shared_between_blocks(blocks)]:
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=options.zero == 3,
+                    ignored_params=scalars & {p for m in modules for p in m.parameters()}, **common)
     for block in blocks:
         fully_shard(block, reshard_after_forward=options.zero == 3, ignored_params=scalars & set(block.parameters()),
                     **common)

@@ -7,6 +7,11 @@ shapes differ from the previous step's, :class:`StageBuffers` runs a *shape pass
 (the user's step with every unit standing in: no FLOPs, no communication, see
 :meth:`~lightning_hybrid.pipeline.dispatch.UnitDispatcher.boundary_shapes`) and gives each stage's receive
 buffers the shapes of that step. One schedule per mode, whatever the number of shapes: nothing grows with them.
+What a stage receives gets its gradient made contiguous (:func:`received_with_contiguous_gradients`): torch lays
+the previous stage's receive buffer for it out like it.
+
+**Regrouping.** :func:`regrouped` deals a batch's samples to other microbatches, for the setup check of what
+microbatching changes where no unsplit model exists (:func:`~lightning_hybrid.pipeline.verify.check_regrouped`).
 
 **Loss shares.** The step's loss must be the full batch's, also when its microbatches hold different numbers of
 loss terms (padding tokens ignored, a smaller last microbatch). Each microbatch's loss is weighted by its number
@@ -147,3 +152,23 @@ class StageBuffers:
                     received = sends[shapes].get(stage.stage_index - 1, [])
                     resize_stage_buffers(stage, index, received, sends[shapes].get(stage.stage_index, []))
         self._fitted = signature
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, its gradient made contiguous: a stage's received activation's gradient is sent back to the
+    stage before, whose receive buffer torch lays out like it (``empty_strided``), and process groups receive only
+    into dense tensors. A block may read a slice of what it is handed (Zamba2: half of a concatenation), whose
+    gradient is a strided view."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> Tensor:
+        return gradient.contiguous()
+
+
+def received_with_contiguous_gradients(received: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """What a stage received, its gradients contiguous (:class:`_ContiguousGradient`)."""
+    return tuple(_ContiguousGradient.apply(t) if t.requires_grad else t for t in received)

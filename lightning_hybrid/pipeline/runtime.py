@@ -41,7 +41,7 @@ from lightning_hybrid.pipeline.dispatch import (ActiveStage, StageOutput, UnitDi
                                                 staged_class)
 from lightning_hybrid.pipeline.metric_calls import (MetricCall, MetricRef, combine_metric_calls,
                                                     recording_metric_calls, replay_metric_calls)
-from lightning_hybrid.pipeline.microbatches import LossTerms, StageBuffers, samples
+from lightning_hybrid.pipeline.microbatches import LossTerms, StageBuffers, received_with_contiguous_gradients, samples
 from lightning_hybrid.pipeline.semantics import (check_batch, combine_logs, combine_outputs, muted_logs, original_log,
                                                  recording_logs, to_cpu)
 from lightning_hybrid.pipeline.shared import (SharedParameter, combine_gradients, counted_elsewhere,
@@ -215,6 +215,7 @@ class Pipeline:
         """The body of a stage module's forward: the user's step with this stage active."""
         blocks = self.split.block_range(stage)
         last = stage == self.split.num_stages - 1
+        received = received_with_contiguous_gradients(received)
         self._dispatcher.active = ActiveStage(stage, blocks, stage == 0, last, received)
         # The step's log and metric calls go to lists recorded once per step (run_step); this microbatch's are the
         # part added while it runs (one forward at a time).

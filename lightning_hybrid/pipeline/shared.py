@@ -38,14 +38,16 @@ from lightning_hybrid.pipeline.split import StageSplit
 
 @dataclass
 class SharedParameter:
-    """One parameter the pipeline combines: its names (a tied weight has several; the first is canonical), the
-    group to sum over, what to divide the sum by (data-parallel averaging), and whether this rank counts it in the
-    total gradient norm (one rank per pipeline does)."""
+    """One parameter the pipeline combines: its names (a tied weight has several; the first is canonical, the
+    same on every rank), the group to sum over, what to divide the sum by (data-parallel averaging), whether this
+    rank counts it in the total gradient norm (one rank per pipeline does), and a name this rank holds it under (a
+    weight tied between blocks on several stages is reachable only under its own block's name here)."""
 
     names: tuple[str, ...]
     group: Any
     divide_by: int
     counted_here: bool
+    held_as: str
 
 
 def shared_parameters(module: nn.Module, split: StageSplit, schedule: PipelineSchedule, mesh: DeviceMesh,
@@ -62,16 +64,33 @@ def shared_parameters(module: nn.Module, split: StageSplit, schedule: PipelineSc
         if len(holders) > 1 or divide_by > 1:
             combined.append((names, holders, managed, divide_by))
     groups = _groups(mesh, sorted({(holders, managed) for _, holders, managed, _ in combined}))
-    return [SharedParameter(names, groups[(holders, managed)], divide_by, local == holders[0])
-            for names, holders, managed, divide_by in combined if local in holders]
+    here = {stage for stage in range(split.num_stages) if stage_ranks[stage] == local}
+    return [SharedParameter(names, groups[(holders, managed)], divide_by, local == holders[0],
+                            _held_here(names, split, here)) for names, holders, managed, divide_by in combined
+            if local in holders]
+
+
+def _held_here(names: tuple[str, ...], split: StageSplit, here: set[int]) -> str:
+    """One of ``names`` that this rank's stages hold: not a name inside a block of another stage (a stand-in
+    here), unless a module of that block is held here too (one the step calls from outside the block)."""
+    def elsewhere(name: str) -> bool:
+        unit = next((u for u in split.units if u.block_index is not None and name.startswith(u.name + ".")), None)
+        held_too = any(name.startswith(module + ".") and here & set(stages)
+                       for module, stages in split.held_inside.items())
+        return unit is not None and not here & set(unit.stages) and not held_too
+
+    return next(name for name in names if not elsewhere(name))
 
 
 def _tied_names(module: nn.Module, split: StageSplit) -> list[tuple[str, ...]]:
-    """The names of each parameter outside the blocks, grouped by identity, in a global order."""
+    """The names of each parameter outside the blocks, grouped by identity, and of each parameter tied between
+    blocks (as the split recorded them), in a global order."""
+    in_blocks = {name for names in split.tied_in_blocks for name in names}
     by_identity: dict[int, list[str]] = {}
     for name in split.parameter_stages:
-        by_identity.setdefault(id(module.get_parameter(name)), []).append(name)
-    return sorted(tuple(sorted(names)) for names in by_identity.values())
+        if name not in in_blocks:
+            by_identity.setdefault(id(module.get_parameter(name)), []).append(name)
+    return sorted([*(tuple(sorted(names)) for names in by_identity.values()), *split.tied_in_blocks])
 
 
 def _groups(mesh: DeviceMesh, kinds: list[tuple[tuple[int, ...], bool]]) -> dict[tuple, Optional[Any]]:
@@ -99,7 +118,7 @@ def combine_gradients(module: nn.Module, shared: list[SharedParameter]) -> None:
     Every member takes part: a holder whose uses did not reach the loss (an embedding computed again on a later
     stage, whose output the value received from the stage before replaced) adds zeros."""
     for entry in shared:
-        parameter = module.get_parameter(entry.names[0])
+        parameter = module.get_parameter(entry.held_as)
         if entry.group is None or not parameter.requires_grad:
             continue
         if parameter.grad is None:
@@ -124,7 +143,7 @@ def _in_parameter_layout(parameter: nn.Parameter, grad: Tensor) -> Tensor:
 
 def counted_elsewhere(module: nn.Module, shared: list[SharedParameter]) -> set[int]:
     """``id``\\ s of this rank's parameters that another rank of the pipeline counts in the gradient norm."""
-    return {id(module.get_parameter(entry.names[0])) for entry in shared if not entry.counted_here}
+    return {id(module.get_parameter(entry.held_as)) for entry in shared if not entry.counted_here}
 
 
 def ghost_unread_parameters(module: nn.Module, split: StageSplit, stage_ids: Sequence[int], device: torch.device) -> None:

@@ -53,10 +53,14 @@ class StageSplit:
     num_stages: int
     blocks_per_stage: list[int]
     units: list[Unit] = field(default_factory=list)
-    #: Name of every parameter outside the blocks (tied weights under each name) → the stages that hold it.
+    #: Name of every parameter outside the blocks (tied weights under each name), and of a block's parameter that
+    #: blocks on other stages hold too → the stages that hold it.
     parameter_stages: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: Parameters held directly by a module that contains the blocks (not by any unit) → their stages.
     direct: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: The names of each parameter that blocks on several stages hold (recorded here: once tensor parallelism
+    #: shards one stage's blocks, the names no longer lead to one object on every rank).
+    tied_in_blocks: list[tuple[str, ...]] = field(default_factory=list)
     #: A module of a block that the step calls from outside the block on other stages than the block's → those
     #: stages: it is held there too (its parameters, in :attr:`parameter_stages`, are shared like tied weights).
     held_inside: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -98,7 +102,25 @@ def plan_split(
         split.units.append(Unit(name, None, tuple(sorted(held | set(computes))), computes))
     split.direct = {name: split.parameter_stages[name] for name in record.direct_parameters}
     _hold_where_called(root, split, record)
+    _share_between_stages(blocks, split)
     return split
+
+
+def _share_between_stages(blocks: BlockList, split: StageSplit) -> None:
+    """A parameter that blocks on several stages hold (one module in each, or modules tied to each other: Zamba2's
+    shared transformer block) lives on each of those stages, its gradient summed over them as a tied embedding's
+    is (:mod:`.shared`): it is listed under each name with all their stages."""
+    names: dict[int, list[str]] = {}
+    stages: dict[int, set[int]] = {}
+    for stage in range(split.num_stages):
+        for index in split.block_range(stage):
+            for name, parameter in blocks[index].named_parameters(remove_duplicate=False):
+                names.setdefault(id(parameter), []).append(f"{blocks.name(index)}.{name}")
+                stages.setdefault(id(parameter), set()).add(stage)
+    for key, held in stages.items():
+        if len(held) > 1:
+            split.parameter_stages.update(dict.fromkeys(names[key], tuple(sorted(held))))
+            split.tied_in_blocks.append(tuple(sorted(names[key])))
 
 
 def _hold_where_called(root: nn.Module, split: StageSplit, record: SetupRecord) -> None:

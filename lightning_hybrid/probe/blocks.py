@@ -166,6 +166,30 @@ def _structure(block: nn.Module) -> tuple:
                  for name, module in block.named_modules())
 
 
+def shared_between_blocks(blocks: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """Modules of several blocks holding the same parameters, grouped: one module object that several blocks hold,
+    or one module per block with its parameters tied to the others' (Zamba2's transformer block that every hybrid
+    layer calls, tied by Hugging Face). Each group is one set of weights: sharded once (one FSDP2 unit, one
+    tensor-parallel layout), its gradient the sum of every block's use. The outermost such modules, in block
+    order."""
+    holders: dict[int, set[int]] = {}
+    for index, block in enumerate(blocks):
+        for parameter in block.parameters():
+            holders.setdefault(id(parameter), set()).add(index)
+    shared = {key for key, indices in holders.items() if len(indices) > 1}
+    groups: dict[frozenset[int], list[nn.Module]] = {}
+    for block in blocks:
+        taken: set[int] = set()
+        for name, module in block.named_modules():
+            weights = frozenset(id(p) for p in module.parameters())
+            if name and weights and weights <= shared and id(module) not in taken:
+                taken |= {id(m) for m in module.modules()}
+                group = groups.setdefault(weights, [])
+                if all(held is not module for held in group):
+                    group.append(module)
+    return list(groups.values())
+
+
 def capture_block_call(block: nn.Module, run_forward: Callable[[], Any]) -> tuple[tuple, dict]:
     """Run ``run_forward`` until ``block`` is called and return the ``(args, kwargs)`` it is called with."""
     captured: dict[str, Any] = {}

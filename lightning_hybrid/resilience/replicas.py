@@ -217,7 +217,7 @@ def _tied_across_stages(module: nn.Module, shared: Sequence[Any], root_ranks: Te
         if entry.group is None:
             continue
         if PIPELINE in spanned_dims(dist.get_process_group_ranks(entry.group), root_ranks, root_names):
-            tied[id(module.get_parameter(entry.names[0]))] = (tuple(entry.names), entry.group)
+            tied[id(module.get_parameter(entry.held_as))] = (tuple(entry.names), entry.group)
     return tied
 
 

@@ -49,6 +49,7 @@ from lightning_hybrid.tensor_parallel.block_plan import (
 from lightning_hybrid.tensor_parallel.overrides import PlanEntry, block_tp_overrides, resolve_overrides
 from lightning_hybrid.tensor_parallel.refusal import PlanCheckFailed
 from lightning_hybrid.tensor_parallel.sharded_path import sharded_path_styles
+from lightning_hybrid.tensor_parallel.tied import retie, sharded_before, tied_holders
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,17 @@ def apply_block_plan(block: nn.Module, plan: BlockPlan, mesh: DeviceMesh) -> Non
         _apply_group(block, group, mesh, styles)
     if styles:
         parallelize_module(block, mesh, styles)
+    for name in {n for group in plan.groups if isinstance(group, PairGroup) for n in group.written_in_place} & set(styles):
+        block.get_submodule(name).register_forward_hook(_writable_output)
     for name in {name for group in plan.groups if isinstance(group, PairGroup) for name in group.whole_inputs}:
         # after the styles' own hooks: the output is then the plain whole tensor the heads read
         block.get_submodule(name).register_forward_hook(functools.partial(_gradient_summed_over, mesh))
+
+
+def _writable_output(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
+    """A copy of the output a torch style handed out (a view made by a custom autograd function, which autograd
+    forbids changing in place), for a forward that changes it in place."""
+    return output.clone()
 
 
 def _gradient_summed_over(mesh: DeviceMesh, module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
@@ -148,13 +157,14 @@ def apply_tensor_parallel(
     indexes, this rank's pipeline stages) and to ``tp_plan``'s other entries. What the planner refuses stays whole
     on every tp rank (:mod:`lightning_hybrid.tensor_parallel.fallback`); with ``strict`` the refusal is raised.
     ``held``: patterns of the blocks' modules the layout itself keeps whole (a pipeline holds them on another stage
-    too), reported as kept whole with that reason. ``outputs_used``: for a block of ``block_calls``, which leaves of
-    its output the step computes with (the record's ``block_outputs_used``); the plan is checked on those only.
-    Returns the applied plan: ``{module name pattern: style}`` and the report per block structure."""
+    too), reported so. ``outputs_used``: for a block of ``block_calls``, which leaves of its output the step uses
+    (the record's ``block_outputs_used``). Returns the applied plan: ``{module name pattern: style}`` and the
+    report per block structure."""
     overrides = resolve_overrides(tp_plan, [name for name, _ in root.named_modules()])
     outside = {name: entry for name, entry in overrides.items() if not blocks.contains_name(name)}
     structures = block_structures(blocks)
     applied = AppliedPlan()
+    ties, seen = tied_holders([blocks[i] for i in range(len(blocks)) if apply_to is None or i in apply_to]), set()
     for indices in structures:
         targets = [i for i in indices if apply_to is None or i in apply_to]
         if not targets:
@@ -162,18 +172,17 @@ def apply_tensor_parallel(
         plan, kept = _structure_plan(root, blocks_path, blocks, block_call(block_calls, indices[0]), mesh, indices,
                                      tp_plan=tp_plan, verify=verify, strict=strict, held=held or {},
                                      used=(outputs_used or {}).get(indices[0]))
-        for index in targets:
-            block = blocks[index]
+        for block in (blocks[index] for index in targets):
             was_training = block.training
-            apply_block_plan(block, plan, mesh)
+            apply_block_plan(block, plan.without(sharded_before(block, seen)), mesh)
             block.train(was_training)
         prefixes = [f"{blocks_path}.*"] if len(structures) == 1 and len(blocks.parts) == 1 else [blocks.name(i) for i in indices]
         applied.styles.update({k: v for prefix in prefixes for k, v in plan.describe(prefix).items()})
         keys = [blocks.keys[i] if len(blocks.parts) == 1 else blocks.name(i) for i in indices]
         label = structure_label(blocks_path, keys, len(structures))
         applied.structures.append(structure_report(blocks[targets[0]], plan, kept, label, len(indices), mesh.size()))
-    for name, entry in outside.items():
-        style = style_for(entry)
+    retie(ties)  # weights several blocks hold stay one weight (tied.py)
+    for name, style in ((name, style_for(entry)) for name, entry in outside.items()):
         if style is not None:
             parallelize_module(root.get_submodule(name), mesh, style)
     applied.styles.update({name: str(entry) for name, entry in outside.items()})

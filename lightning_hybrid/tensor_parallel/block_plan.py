@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Union
+from typing import Collection, Iterator, Mapping, Union
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -72,6 +72,8 @@ class PairGroup:
     #: Modules computing on those whole layers' outputs (a latent norm): their parameters' gradients are partial
     #: sums too, summed over the ranks.
     summed_modules: list[str] = field(default_factory=list)
+    #: Layers whose output the forward changes in place: a torch style hands out a view autograd forbids that of.
+    written_in_place: frozenset[str] = frozenset()
 
     @property
     def layers(self) -> list[str]:
@@ -113,6 +115,14 @@ class BlockPlan:
 
     groups: list[Group]
     custom: dict[str, ParallelStyle] = field(default_factory=dict)
+
+    def without(self, modules: Collection[str]) -> "BlockPlan":
+        """The plan less the groups and styles of layers inside ``modules`` (sharded with another block)."""
+        def inside(name: str) -> bool:
+            return any(name == module or name.startswith(module + ".") for module in modules)
+
+        return BlockPlan([group for group in self.groups if not any(inside(name) for name in group.layers)],
+                         {name: style for name, style in self.custom.items() if not inside(name)})
 
     def describe(self, prefix: str = "") -> dict[str, str]:
         """The plan as ``{module name: style}``, the same form :class:`HybridStrategy`'s ``tp_plan`` accepts."""
@@ -157,17 +167,23 @@ def plan_block(
     roles = _classify(trace, overrides)
     _reject_unplannable_modules(block, trace, skip, [name for name, role in roles.items() if role == "colwise"])
     custom = {name: style for name, style in overrides.items() if isinstance(style, ParallelStyle)}
+    candidates = _pair_candidates(block, trace, roles, tp_size, {*skip, *trace.linears, *trace.opaque}, overrides)
+    return custom, candidates + [_expert_candidates(block, trace, name, tp_size) for name in experts]
+
+
+def _pair_candidates(block: nn.Module, trace: BlockTrace, roles: dict[str, str], tp: int, skip: set[str],
+                     overrides: Mapping[str, PlanEntry]) -> list[list[Group]]:
+    """Per pair group, its candidate shardings; then each linear layer in no pair (its output read by more than
+    row layers: an adaLN modulation) sharded alone with its output gathered, but not a router (trace.selected)."""
     candidates: list[list[Group]] = [
-        [_with_whole_inputs(group, trace, roles) for group in
-         _group_candidates(block, trace, columns, rows, tp_size, {*skip, *trace.linears, *trace.opaque})]
+        [_with_whole_inputs(group, trace, roles) for group in _group_candidates(block, trace, columns, rows, tp, skip)]
         for columns, rows in _pair_groups(trace, roles)
     ]
-    # A linear layer in no pair (its output read by more than row layers: an adaLN modulation, a state-space
-    # mixer's projections) still gets its weight sharded, its output gathered; not a router (trace.selected).
     unpaired = [name for name, role in roles.items()
                 if role == "replicate" and name not in overrides and name not in trace.selected]
-    candidates += [[group] for name in unpaired if (group := _gathered_candidate(trace, [name], [], tp_size))]
-    return custom, candidates + [_expert_candidates(block, trace, name, tp_size) for name in experts]
+    candidates += [[group] for name in unpaired if (group := _gathered_candidate(trace, [name], [], tp))]
+    return [[dataclasses.replace(group, written_in_place=frozenset(trace.written_in_place & set(group.layers)))
+             for group in options] for options in candidates]
 
 
 def _expert_candidates(block: nn.Module, trace: BlockTrace, name: str, tp: int) -> list[Group]:

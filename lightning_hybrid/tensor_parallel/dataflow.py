@@ -88,6 +88,9 @@ class BlockTrace:
     #: Linear layers whose output a discrete choice is made on (top-k routing, argmax): computed in pieces it may
     #: round differently from one device and choose otherwise, so the planner never shards them alone.
     selected: set[str] = field(default_factory=set)
+    #: Linear layers whose output tensor the forward then changes in place (Llama 4 adds the routed experts'
+    #: output into the shared expert's with ``add_``).
+    written_in_place: set[str] = field(default_factory=set)
 
     def consumers(self, name: str) -> list[str]:
         """Linear layers whose input is computed from ``name``'s output (``"output"`` if the block output is)."""
@@ -196,8 +199,9 @@ def _orientation(module: nn.Module, inputs: tuple, output: Any, applied_transpos
     """Whether ``module``'s weight is stored ``(in, out)`` (``True``) or ``(out, in)`` (``False``), from the shapes
     it mapped (and, for a square weight, from how the forward applied it); ``None`` if it is no linear map of the
     last dimension."""
-    if isinstance(module, nn.Linear):
+    if type(module).forward is nn.Linear.forward:
         return False
+    # a subclass with its own forward (Llama 4's router returns scores and logits) is judged by what it returned
     if not (inputs and isinstance(inputs[0], torch.Tensor) and isinstance(output, torch.Tensor)):
         return None
     rows, columns = module.weight.shape
@@ -215,6 +219,7 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
     trace = BlockTrace()
     tracker = _SourceTracker()
     names = {module: name for name, module in block.named_modules()}
+    outputs: dict[int, str] = {}  # a linear layer's output tensor (alive: labelled) → the layer
     for index, leaf in enumerate(tree_flatten((args, kwargs))[0]):
         if isinstance(leaf, torch.Tensor):
             tracker.label(leaf, frozenset({f"arg{index}"}))
@@ -234,10 +239,13 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
         use.transposed = transposed
         use.in_features, use.out_features, use.out_dims = inputs[0].shape[-1], output.shape[-1], output.dim()
         tracker.label(output, frozenset({names[module]}))
+        outputs[id(output)] = names[module]
 
     def record_cut(func: Any, args: tuple, kwargs: dict, out: Any, sources: frozenset[str]) -> None:
         if func in _SELECTIONS:
             trace.selected |= {source for source in sources if not source.startswith("arg")}
+        if _writes_in_place(func, args) and id(args[0]) in outputs:
+            trace.written_in_place.add(outputs[id(args[0])])
         if len(sources) == 1 and isinstance(args[0], torch.Tensor):
             cut = _feature_cut(func, args, out, next(iter(sources)), trace)
             if cut is not None:
@@ -245,8 +253,7 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
 
     tracker.on_call = record_cut
     hooks = _watch_linears(block, tracker, before_linear, after_linear) + _watch_weighted(block, tracker, trace)
-    holders = list(attribute_holders(block))
-    reads: set[tuple[int, str]] = set()
+    holders, reads = list(attribute_holders(block)), set()
     try:
         with torch.no_grad(), tracker, _recording_reads([obj for _, obj in holders], reads) as unobserved:
             output = block(*args, **kwargs)
@@ -254,11 +261,17 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> BlockTrace:
     finally:
         for hook in hooks:
             hook.remove()
+    _note_reads(trace, holders, reads, unobserved)
+    return trace
+
+
+def _note_reads(trace: BlockTrace, holders: list[tuple[str, Any]], reads: set[tuple[int, str]],
+                unobserved: set[int]) -> None:
+    """Put the attribute reads recorded by object into ``trace`` by holder path."""
     for path, obj in holders:
         trace.attribute_reads |= {(path, attr) for holder, attr in reads if holder == id(obj)}
         if id(obj) in unobserved:
             trace.unobserved.add(path)
-    return trace
 
 
 def attribute_holders(block: nn.Module) -> Iterator[tuple[str, Any]]:
