@@ -73,6 +73,18 @@ class HFAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(*input_shape, -1).contiguous())
 
 
+class WindowedAttention(HFAttention):
+    """Reads a ``sliding_window`` equal to its head count that changes nothing here (Gemma 3: the mask is built
+    outside; a full-attention layer of the same class holds ``None``): rescaling it is never needed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sliding_window = HEADS
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) if self.sliding_window is None or self.sliding_window > 0 else x
+
+
 class NanoGPTAttention(nn.Module):
     """nanoGPT style: the head size is derived from the input width ``C // n_head`` (cannot run on local heads)."""
 
@@ -325,4 +337,5 @@ def build(style: str) -> nn.Module:
         "grouped_qkv": lambda: SequentialBlock(GroupedQKVAttention(), GeluMLP()),
         "selective_scan": lambda: SequentialBlock(SelectiveScanMixer(), GeluMLP()),
         "returns_scores": ScoresReturningBlock,
+        "windowed": lambda: SequentialBlock(WindowedAttention(), GeluMLP()),
     }[style]()

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 from typing import Any, Collection, Mapping, Optional, Sequence
@@ -86,7 +87,8 @@ def _apply_group(block: nn.Module, group: Group, mesh: DeviceMesh, styles: dict[
     replaced: dict[int, Any] = {}
     for path, attr in group.scaled_attributes:
         owner = _resolve_owner(block, path, replaced)
-        setattr(owner, attr, group.per_rank(getattr(owner, attr), mesh.size()))
+        if type(getattr(owner, attr)) is int:  # a block of the structure may hold no size there (None)
+            setattr(owner, attr, group.per_rank(getattr(owner, attr), mesh.size()))
 
 
 def _apply_pairs(block: nn.Module, group: PairGroup, mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
@@ -263,11 +265,11 @@ def _settle_group(
     for group in options:
         error = _plan_error(reference, BlockPlan([group]), args, kwargs, mesh)
         if error <= tolerance_for(_dtype_of(reference)):
-            return group, {}
+            return _fewest_attributes(reference, group, {}, args, kwargs, mesh), {}
         repairs = _sharded_path_repairs(reference, group, args, kwargs, mesh)
         if repairs and _plan_error(reference, BlockPlan([group], repairs), args, kwargs, mesh) <= tolerance_for(
                 _dtype_of(reference)):
-            return group, repairs
+            return _fewest_attributes(reference, group, repairs, args, kwargs, mesh), repairs
         errors.append(error)
     layers = options[0].layers
     fix = ", ".join(f"'{where}.*.{name}': 'replicate'" for name in layers)
@@ -282,6 +284,19 @@ def _settle_group(
         modules=layers, reason=f"the plan check: sharding them changes the block's output (relative error"
                                f" {min(errors):.1e})",
     )
+
+
+def _fewest_attributes(reference: nn.Module, group: Group, repairs: dict[str, ParallelStyle], args: tuple,
+                       kwargs: dict, mesh: DeviceMesh) -> Group:
+    """``group`` without the rescaled attributes the check passes without: one whose value only matched a size
+    (Gemma 3's ``sliding_window`` = its head count, read by no computation on this block) is left alone, also on
+    the structure's other blocks, where it may hold something else (``None`` on a full-attention layer)."""
+    for attribute in list(group.scaled_attributes):
+        fewer = dataclasses.replace(group, scaled_attributes=[a for a in group.scaled_attributes if a != attribute])
+        if _plan_error(reference, BlockPlan([fewer], dict(repairs)), args, kwargs, mesh) <= tolerance_for(
+                _dtype_of(reference)):
+            group = fewer
+    return group
 
 
 def _sharded_path_repairs(reference: nn.Module, group: Group, args: tuple, kwargs: dict,

@@ -278,6 +278,13 @@ def test_outputs_the_step_drops_do_not_keep_the_attention_from_being_sharded_by_
 
 
 @pytest.mark.slow
+def test_an_attribute_that_only_matches_a_size_is_not_rescaled() -> None:
+    results = _run_two_ranks("windowed")
+    assert results["plan"]["blocks.*.attn.q_proj"] == "colwise" and "blocks.*.attn.sliding_window" not in results["plan"]
+    assert results["output"] < 1e-5 and results["param_grad"] < 1e-5
+
+
+@pytest.mark.slow
 def test_user_styles_inside_blocks_win_over_the_automatic_choice() -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel
