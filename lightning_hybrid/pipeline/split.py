@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Sequence
 
 from torch import nn
 
-from lightning_hybrid.probe.blocks import BlockList
+from lightning_hybrid.probe.blocks import BlockList, blocks_holding
 from lightning_hybrid.probe.record import AFTER, BEFORE, TRUNK, SetupRecord
 
 
@@ -110,17 +110,15 @@ def _share_between_stages(blocks: BlockList, split: StageSplit) -> None:
     """A parameter that blocks on several stages hold (one module in each, or modules tied to each other: Zamba2's
     shared transformer block) lives on each of those stages, its gradient summed over them as a tied embedding's
     is (:mod:`.shared`): it is listed under each name with all their stages."""
-    names: dict[int, list[str]] = {}
-    stages: dict[int, set[int]] = {}
-    for stage in range(split.num_stages):
-        for index in split.block_range(stage):
-            for name, parameter in blocks[index].named_parameters(remove_duplicate=False):
-                names.setdefault(id(parameter), []).append(f"{blocks.name(index)}.{name}")
-                stages.setdefault(id(parameter), set()).add(stage)
-    for key, held in stages.items():
+    stage_of = {index: stage for stage in range(split.num_stages) for index in split.block_range(stage)}
+    for key, indices in blocks_holding(blocks).items():
+        held = tuple(sorted({stage_of[index] for index in indices}))
         if len(held) > 1:
-            split.parameter_stages.update(dict.fromkeys(names[key], tuple(sorted(held))))
-            split.tied_in_blocks.append(tuple(sorted(names[key])))
+            names = sorted(f"{blocks.name(index)}.{name}" for index in indices
+                           for name, parameter in blocks[index].named_parameters(remove_duplicate=False)
+                           if id(parameter) == key)
+            split.parameter_stages.update(dict.fromkeys(names, held))
+            split.tied_in_blocks.append(tuple(names))
 
 
 def _hold_where_called(root: nn.Module, split: StageSplit, record: SetupRecord) -> None:

@@ -166,17 +166,23 @@ def _structure(block: nn.Module) -> tuple:
                  for name, module in block.named_modules())
 
 
+def blocks_holding(blocks: Sequence[nn.Module]) -> dict[int, set[int]]:
+    """``id`` of every parameter of ``blocks`` → the indices of the blocks holding it (several: a weight they share
+    or tie)."""
+    holders: dict[int, set[int]] = {}
+    for index, block in enumerate(blocks):
+        for parameter in block.parameters():
+            holders.setdefault(id(parameter), set()).add(index)
+    return holders
+
+
 def shared_between_blocks(blocks: Sequence[nn.Module]) -> list[list[nn.Module]]:
     """Modules of several blocks holding the same parameters, grouped: one module object that several blocks hold,
     or one module per block with its parameters tied to the others' (Zamba2's transformer block that every hybrid
     layer calls, tied by Hugging Face). Each group is one set of weights: sharded once (one FSDP2 unit, one
     tensor-parallel layout), its gradient the sum of every block's use. The outermost such modules, in block
     order."""
-    holders: dict[int, set[int]] = {}
-    for index, block in enumerate(blocks):
-        for parameter in block.parameters():
-            holders.setdefault(id(parameter), set()).add(index)
-    shared = {key for key, indices in holders.items() if len(indices) > 1}
+    shared = {key for key, indices in blocks_holding(blocks).items() if len(indices) > 1}
     groups: dict[frozenset[int], list[nn.Module]] = {}
     for block in blocks:
         taken: set[int] = set()

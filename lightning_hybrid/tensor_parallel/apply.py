@@ -69,8 +69,7 @@ def apply_block_plan(block: nn.Module, plan: BlockPlan, mesh: DeviceMesh) -> Non
 
 
 def _writable_output(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
-    """A copy of the output a torch style handed out (a view made by a custom autograd function, which autograd
-    forbids changing in place), for a forward that changes it in place."""
+    """A copy of a torch style's output (a custom function's view, which autograd forbids changing in place)."""
     return output.clone()
 
 
@@ -267,8 +266,7 @@ def _settle_group(
         if error <= tolerance_for(_dtype_of(reference)):
             return _fewest_attributes(reference, group, {}, args, kwargs, mesh), {}
         repairs = _sharded_path_repairs(reference, group, args, kwargs, mesh)
-        if repairs and _plan_error(reference, BlockPlan([group], repairs), args, kwargs, mesh) <= tolerance_for(
-                _dtype_of(reference)):
+        if repairs and _computes_the_same(reference, BlockPlan([group], repairs), args, kwargs, mesh):
             return _fewest_attributes(reference, group, repairs, args, kwargs, mesh), repairs
         errors.append(error)
     layers = options[0].layers
@@ -293,8 +291,7 @@ def _fewest_attributes(reference: nn.Module, group: Group, repairs: dict[str, Pa
     the structure's other blocks, where it may hold something else (``None`` on a full-attention layer)."""
     for attribute in list(group.scaled_attributes):
         fewer = dataclasses.replace(group, scaled_attributes=[a for a in group.scaled_attributes if a != attribute])
-        if _plan_error(reference, BlockPlan([fewer], dict(repairs)), args, kwargs, mesh) <= tolerance_for(
-                _dtype_of(reference)):
+        if _computes_the_same(reference, BlockPlan([fewer], dict(repairs)), args, kwargs, mesh):
             group = fewer
     return group
 
@@ -330,6 +327,10 @@ def _verify_whole_plan(
             reason=f"the plan check: the full plan changes the block's output (relative error {error:.1e}) though"
                    " each pair group passed alone",
         )
+
+
+def _computes_the_same(reference: nn.Module, plan: BlockPlan, args: tuple, kwargs: dict, mesh: DeviceMesh) -> bool:
+    return _plan_error(reference, plan, args, kwargs, mesh) <= tolerance_for(_dtype_of(reference))
 
 
 def _plan_error(reference: nn.Module, plan: BlockPlan, args: tuple, kwargs: dict, mesh: DeviceMesh) -> float:

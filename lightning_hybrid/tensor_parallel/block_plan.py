@@ -38,7 +38,7 @@ from lightning_hybrid.tensor_parallel.dataflow import BlockTrace
 from lightning_hybrid.tensor_parallel.experts import ONCE, ExpertLayout, expert_layouts, holds_expert_stack
 from lightning_hybrid.tensor_parallel.heads import ColumnShard, add_head_ratios, column_options
 from lightning_hybrid.tensor_parallel.per_head import (PerHead, channel_counts, head_counts, holds_tables_per_head,
-                                                       per_head_parameters)
+                                                       is_under, per_head_parameters)
 from lightning_hybrid.tensor_parallel.overrides import PlanEntry
 from lightning_hybrid.tensor_parallel.refusal import PlanRefusal
 
@@ -307,7 +307,7 @@ def _reject_unplannable_modules(block: nn.Module, trace: BlockTrace, overrides: 
     (the strategy keeps it whole; ``tp_strict=True`` asks the user what to do)."""
     heads = head_counts(trace)
     for name, module in block.named_modules():
-        beside = [column for column in columns if _under_owner(name, _common_owner([column]))]
+        beside = [column for column in columns if is_under(name, _common_owner([column]))]
         if name in trace.linears or name in trace.opaque or isinstance(module, nn.Linear) or name in overrides \
                 or holds_tables_per_head(module, heads | channel_counts(trace, beside)):
             continue
@@ -383,10 +383,6 @@ def _gathered_candidate(trace: BlockTrace, columns: list[str], rows: list[str], 
         return None
     return PairGroup({name: ColumnShard() for name in columns}, rows, _common_owner([*columns, *rows]),
                      gathered=True)
-
-
-def _under_owner(name: str, owner: str) -> bool:
-    return not owner or name == owner or name.startswith(owner + ".")
 
 
 def _common_owner(names: list[str]) -> str:

@@ -80,10 +80,13 @@ def per_head_parameters(block: nn.Module, owner: str, heads: Collection[int], tp
     return found
 
 
+def is_under(path: str, owner: str) -> bool:
+    """Whether module ``path`` is ``owner`` or inside it (``""``: the block, which holds everything)."""
+    return not owner or path == owner or path.startswith(owner + ".")
+
+
 def _under(block: nn.Module, owner: str) -> Iterable[tuple[str, nn.Module]]:
-    for path, module in block.named_modules():
-        if not owner or path == owner or path.startswith(owner + "."):
-            yield path, module
+    return ((path, module) for path, module in block.named_modules() if is_under(path, owner))
 
 
 def shard_per_head(module: nn.Module, dims: dict[str, int], mesh: DeviceMesh) -> None:

@@ -22,20 +22,22 @@ from typing import Sequence
 
 from torch import nn
 
+from lightning_hybrid.probe.blocks import blocks_holding
+
 #: Every ``(module, attribute)`` holding one parameter.
 Holders = list[tuple[nn.Module, str]]
 
 
 def tied_holders(blocks: Sequence[nn.Module]) -> list[Holders]:
     """For each parameter that several of ``blocks`` hold, its holders (each once, in block order)."""
-    found: dict[int, dict[tuple[int, str], tuple[nn.Module, str]]] = {}
-    blocks_of: dict[int, set[int]] = {}
-    for index, block in enumerate(blocks):
+    shared = {key for key, indices in blocks_holding(blocks).items() if len(indices) > 1}
+    found: dict[int, dict[tuple[int, str], tuple[nn.Module, str]]] = {key: {} for key in shared}
+    for block in blocks:
         for module in block.modules():
             for attribute, parameter in module.named_parameters(recurse=False):
-                found.setdefault(id(parameter), {})[(id(module), attribute)] = (module, attribute)
-                blocks_of.setdefault(id(parameter), set()).add(index)
-    return [list(holders.values()) for key, holders in found.items() if len(blocks_of[key]) > 1]
+                if id(parameter) in found:
+                    found[id(parameter)][(id(module), attribute)] = (module, attribute)
+    return [list(holders.values()) for holders in found.values()]
 
 
 def sharded_before(block: nn.Module, seen: set[int]) -> list[str]:
