@@ -84,6 +84,17 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     return DeviceMesh._concatenate(meshes)
 
 
+def all_to_all_autograd(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+    """``rows`` dealt to the ranks of ``group`` (``input_splits`` rows to each) and theirs received
+    (``output_splits`` from each), differentiable: the backward sends the gradients back the same way. torch 2.13
+    deprecates the public ``torch.distributed.nn.functional.all_to_all_single`` in favour of this functional
+    collective (the one torchtitan's expert-parallel dispatch uses), which has no public name yet."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    received = all_to_all_single_autograd(rows, output_splits, input_splits, group)
+    return received.wait() if hasattr(received, "wait") else received
+
+
 def in_autograd_engine() -> bool:
     """Whether the current operation runs inside autograd's engine (backward, or a checkpoint's recomputation).
     No public query exists; the graph task id is -1 outside the engine."""

@@ -33,6 +33,11 @@ DATA_REPLICATE = "dp_replicate"
 DATA_SHARD = "dp_shard"
 TENSOR = "tp"
 MESH_DIMS = (PIPELINE, DATA_REPLICATE, DATA_SHARD, TENSOR)
+#: The experts' mesh splits the data-shard dimension into the ranks that share one expert's shards and the ranks
+#: its experts are spread over (torchtitan's rule: ``dp_shard = efsdp × ep``; the world size does not change).
+EXPERT_DATA = "efsdp"
+EXPERT = "ep"
+EXPERT_MESH_DIMS = (PIPELINE, DATA_REPLICATE, EXPERT_DATA, EXPERT, TENSOR)
 #: The meshes built in this process: ``(device type, sizes) → (default group, mesh, data mesh)``. A later trainer
 #: call (fit, then test or predict) or another strategy with the same layout reuses them instead of making a new set
 #: of process groups, whose threads would stay for the life of the process (a 13-model sweep on 4 CPU ranks slowed
@@ -56,6 +61,8 @@ class ParallelDims:
         tp: Tensor-parallel degree.
         pp: Pipeline-parallel degree.
         dp_replicate: Number of data-parallel replicas of the sharded model (HSDP when > 1).
+        ep: Expert-parallel degree: each mixture-of-experts layer's experts spread over ``ep`` of the ``dp``
+            sharding ranks (it must divide ``dp``); see :meth:`build_expert_mesh`.
     """
 
     world_size: int
@@ -63,6 +70,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     dp_replicate: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         check_degrees(self.dp, self.tp, self.pp, self.dp_replicate)
@@ -79,6 +87,13 @@ class ParallelDims:
                 f"dp={self.dp} × tp={self.tp} × pp={self.pp} × dp_replicate={self.dp_replicate} ="
                 f" {fixed * self.dp}, but the world size (devices × num_nodes) is {self.world_size}."
                 f" Make the product equal the world size, or pass dp='auto'."
+            )
+        if self.dp % self.ep:
+            valid = [size for size in range(1, self.dp + 1) if self.dp % size == 0]
+            raise ValueError(
+                f"HybridStrategy(ep={self.ep}) spreads experts over data-parallel sharding ranks, but dp={self.dp}"
+                f" (per pipeline stage and replica) is not a multiple of it. Pass an ep that divides {self.dp}:"
+                f" {valid}, or more devices."
             )
 
     @property
@@ -103,6 +118,18 @@ class ParallelDims:
             _BUILT[key] = (dist.group.WORLD, *self._new_mesh(device_type))
         _, mesh, data_mesh = _BUILT[key]
         return mesh, data_mesh
+
+    def build_expert_mesh(self, device_type: str) -> DeviceMesh:
+        """The experts' 5-D mesh ``pp × dp_replicate × efsdp × ep × tp`` over the same ranks as :meth:`build_mesh`'s
+        (``dp_shard`` = ``efsdp × ep``, ep innermost: a rank's ep group are data-parallel neighbours of one stage,
+        tensor rank and replica); its ``ep`` dimension spreads the experts, ``efsdp`` (with ``dp_replicate``) shards
+        and averages each expert's weights. Built once per process and layout."""
+        assert isinstance(self.dp, int)
+        sizes = (self.pp, self.dp_replicate, self.dp // self.ep, self.ep, self.tp)
+        key = (device_type, sizes)
+        if key not in _BUILT or _BUILT[key][0] is not dist.group.WORLD:
+            _BUILT[key] = (dist.group.WORLD, init_device_mesh(device_type, sizes, mesh_dim_names=EXPERT_MESH_DIMS))
+        return _BUILT[key][1]
 
     def _new_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
         mesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=MESH_DIMS)

@@ -46,6 +46,7 @@ from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.options.keywords import keyword_options, options_from
 from lightning_hybrid.options.recompute import CheckpointPlan
 from lightning_hybrid.options.schedules import PipelineSchedule
+from lightning_hybrid.expert_parallel.apply import AppliedExperts
 from lightning_hybrid.parallel.fsdp import buffers_to_device
 from lightning_hybrid.parallel.parallelize import AppliedPlan, accept_user_parallelism, find_blocks, parallelize, recording_construction
 from lightning_hybrid.pipeline.metric_calls import sync_over
@@ -112,6 +113,8 @@ class HybridStrategy(ModelParallelStrategy):
         self.pipeline: Optional[Pipeline] = None
         #: The tensor-parallel plan applied at setup, ``{module pattern: style}``, and its report per block structure.
         self.tp_plan_applied: AppliedPlan = AppliedPlan()
+        #: With ep > 1: the expert layers split over the ep ranks (their exchange figures) and those kept whole.
+        self.experts_applied: Optional[AppliedExperts] = None
         #: The cost model's estimate of the layout chosen for tp="auto"/pp="auto", or of the fixed layout when the
         #: monitor predicts (``ParallelMonitor(predict=True)``); ``None`` otherwise or where it cannot estimate.
         self.layout_estimate: Optional[Estimate] = None
@@ -197,10 +200,10 @@ class HybridStrategy(ModelParallelStrategy):
     @override
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
-        # Clipping adds the norm up over the pipeline's stages, on this device: the one NCCL needs, also where a rank
-        # holds no gradient (a frozen stage) or holds them in CPU memory (offload).
+        # Clipping adds the norm up over stages and ep ranks on this device: the one NCCL needs, also with offload.
         plugin = self.precision_plugin
         plugin.device, plugin.pipeline = self.root_device, self.pipeline  # type: ignore[attr-defined]
+        plugin.experts = self.experts_applied  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------------------------------------- setup
     @override
@@ -243,7 +246,7 @@ class HybridStrategy(ModelParallelStrategy):
         result = parallelize(module, blocks.path, blocks, self.device_mesh, self.dims, self.options,
                              data_mesh=self.data_mesh, precision=str(self.precision_plugin.precision),
                              device=self.root_device, probe=probe)
-        self.pipeline, self.tp_plan_applied = result.pipeline, result.tp_plan
+        self.pipeline, self.tp_plan_applied, self.experts_applied = result.pipeline, result.tp_plan, result.experts
 
     def _choose_layout(self, trainer: Trainer, module: Any, blocks: Any, probe: StepProbe) -> None:
         """tp/pp="auto": the layout chosen from the probe's first block call, adopted, and its mesh built."""
@@ -253,7 +256,7 @@ class HybridStrategy(ModelParallelStrategy):
             accumulation=trainer.accumulate_grad_batches)
         rank_zero_info(f"HybridStrategy(tp={self.options.tp!r}, pp={self.options.pp!r}) {self.layout_note}")
         self.options = adopt_layout(self.options, self.layout_estimate.layout)
-        self.dims = ParallelDims(world_size=self.world_size, **self.options.degrees)
+        self.dims = ParallelDims(world_size=self.world_size, **self.options.degrees, ep=self.options.ep)
         self._build_mesh()
 
     @override
@@ -270,25 +273,22 @@ class HybridStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         free_stale_gradients(self.lightning_module.trainer, self.lightning_module)
         with self.precision_plugin.train_step_context():
-            return self._through_call("training_step", *args, **kwargs)
+            return run_step_method(self, self._root_router, "training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._through_call("validation_step", *args, **kwargs)
+            return run_step_method(self, self._root_router, "validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._through_call("test_step", *args, **kwargs)
+            return run_step_method(self, self._root_router, "test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._through_call("predict_step", *args, **kwargs)
-
-    def _through_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return run_step_method(self, self._root_router, method, *args, **kwargs)
+            return run_step_method(self, self._root_router, "predict_step", *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:

@@ -49,8 +49,8 @@ def mesh_degrees(options: HybridOptions, world_size: int, devices_per_node: int)
     meaning: ``pp`` 1 (what fixed ``dp`` and ``tp`` leave, if both are), ``tp`` what a fixed ``dp`` leaves, else one
     node's devices (ModelParallelStrategy's default: tensor parallelism within a node, data parallelism across
     nodes). ``dp="auto"`` takes the rest."""
-    if not options.chooses_layout:
-        return options.degrees
+    if not options.chooses_layout:  # ep is checked against the layout chosen at setup with tp/pp="auto"
+        return {**options.degrees, "ep": options.ep}
     if options.pp != AUTO:
         pp = int(options.pp)
     elif AUTO not in (options.dp, options.tp):  # both fixed: the pipeline is what they leave, not Lightning's 1

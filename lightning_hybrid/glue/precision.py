@@ -38,12 +38,15 @@ class _MeshClipping:
     pipeline: Optional[Any] = None
     #: Set by the strategy at setup: the device it computes on, where the norm is reduced over the pipeline.
     device: Optional[torch.device] = None
+    #: Set by the strategy at setup with ep > 1: experts spread whole over the ep ranks add their norms over them.
+    experts: Optional[Any] = None
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         pipeline = self.pipeline
         group, elsewhere = (pipeline.pp_group, pipeline.counted_elsewhere()) if pipeline is not None else (None, ())
         clip_grad_norm_(self.main_params(optimizer), clip_val, pipeline_group=group,  # type: ignore[attr-defined]
-                        counted_elsewhere=elsewhere, device=self.device)
+                        counted_elsewhere=elsewhere, device=self.device,
+                        spread=self.experts.spread_norms if self.experts is not None else {})
 
 
 class HybridPrecision(_MeshClipping, Precision):

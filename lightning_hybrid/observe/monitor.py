@@ -60,6 +60,7 @@ from lightning_hybrid.observe.profiling import CommunicationProfile, TraceWindow
 from lightning_hybrid.observe.progress import ProgressFigures, place_before_progress_bar
 from lightning_hybrid.observe.run_record import record_run
 from lightning_hybrid.observe.timeline import bubble_metrics, render_timeline, timeline_bubble, to_chrome_trace
+from lightning_hybrid.parallel.expert_step import spread_norms
 from lightning_hybrid.parallel.grad_norm import total_grad_norm
 from lightning_hybrid.pipeline.step_recorder import StepTimeline
 from lightning_hybrid.planner.hardware_probe import device_peak_flops
@@ -189,7 +190,8 @@ class ParallelMonitor(pl.Callback):
             pipeline = getattr(trainer.strategy, "pipeline", None)
             group, elsewhere = (pipeline.pp_group, pipeline.counted_elsewhere()) if pipeline is not None else (None, ())
             self._grad_norm = total_grad_norm(pl_module.parameters(), pipeline_group=group, counted_elsewhere=elsewhere,
-                                              device=trainer.strategy.root_device)
+                                              device=trainer.strategy.root_device,
+                                              spread=spread_norms(trainer.strategy))
 
     def _add_to_window(self, trainer: pl.Trainer, batch: Any, elapsed: float, every: int) -> None:
         samples, tokens = batch_size(batch), self.batch_tokens(batch)

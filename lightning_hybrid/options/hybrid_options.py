@@ -68,6 +68,10 @@ class HybridOptions:
             ``"none"`` to rule checkpointing out). See :mod:`lightning_hybrid.planner.auto_layout`.
         dp_replicate: Replicas of the sharded model (HSDP): parameters are sharded within a replica and gradients
             all-reduced across replicas.
+        ep: Expert-parallel degree: each mixture-of-experts layer's experts spread over ``ep`` of a stage's ``dp``
+            sharding ranks (``ep`` divides ``dp``; the world size is unchanged), tokens sent all-to-all to the rank
+            holding their chosen expert; the router runs unchanged, dense layers stay data-parallel. Experts found
+            by structure (stacked 3-D parameters, or a list a router chooses among): :mod:`lightning_hybrid.expert_parallel`.
         zero: 3 shards parameters between forward and backward too; 2 keeps them gathered for the step (see
             :mod:`lightning_hybrid.parallel.fsdp`). Default: 3 without a pipeline, 2 with one (ZeRO-3 would
             gather each block 2 × microbatches times per step instead of once); zero-bubble schedules need 2.
@@ -154,6 +158,7 @@ class HybridOptions:
     tp: Degree = 1
     pp: Degree = 1
     dp_replicate: int = 1
+    ep: int = 1
     zero: Optional[int] = None
     tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None  # a dict once constructed
     shard_vocab: bool = True
@@ -189,6 +194,7 @@ class HybridOptions:
 
     def __post_init__(self) -> None:
         check_degrees(self.dp, self.tp, self.pp, self.dp_replicate, auto=("dp", "tp", "pp"))
+        check_positive("HybridStrategy", "ep", self.ep)
         self._set("tp_plan", dict(self.tp_plan or {}))
         self._set("pp_schedule_given", self.pp_schedule)
         self._set("pp_schedule", DEFAULT_SCHEDULE if self.pp_schedule is None else self.pp_schedule)

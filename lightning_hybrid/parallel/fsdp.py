@@ -66,6 +66,17 @@ def mixed_precision_policy(precision: str, reduce_dtype: Optional[str] = None) -
 
 
 @dataclass(frozen=True)
+class ExpertUnits:
+    """Expert modules each rank holds other ones of than its data-parallel neighbours (expert parallelism): each
+    group of ``modules`` one FSDP2 unit over ``mesh`` (the ranks holding the same experts), its gradients divided by
+    ``divide_factor`` (every data-parallel rank's tokens reached them: the whole data-parallel degree)."""
+
+    modules: list[list[nn.Module]]
+    mesh: DeviceMesh
+    divide_factor: int
+
+
+@dataclass(frozen=True)
 class FSDPOptions:
     """How :func:`apply_fsdp` shards: ZeRO level (2 or 3), mixed precision, CPU offload."""
 
@@ -79,7 +90,8 @@ class FSDPOptions:
 
 
 def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, options: FSDPOptions,
-               data_group: Any = None, called_outside: Iterable[nn.Module] = ()) -> None:
+               data_group: Any = None, called_outside: Iterable[nn.Module] = (),
+               experts: Optional[ExpertUnits] = None) -> None:
     """Shard each block as one FSDP2 unit, then the root (embeddings, final norm, head and anything left).
     ``called_outside``: modules of the blocks that the step also calls from outside their block (diffusers' DiT
     calls ``transformer_blocks[0].norm1.emb``), each its own unit first, as is a module several blocks hold
@@ -87,7 +99,8 @@ def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, o
 
     ``mesh`` is the data-parallel mesh: 1-D for plain sharding, 2-D ``(replicate, shard)`` for HSDP. FSDP2 refuses
     scalar (0-dimensional) parameters (a learned temperature, a logit scale): they stay whole on every rank and
-    their gradients are averaged over ``data_group`` (all data-parallel ranks) as they are computed.
+    their gradients are averaged over ``data_group`` (all data-parallel ranks) as they are computed. ``experts``:
+    modules expert parallelism spread over ranks, units of their own over the expert data mesh.
     """
     scalars = {p for p in root.parameters() if p.dim() == 0}
     common = dict(
@@ -98,6 +111,17 @@ def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, o
     )
     blocks = list(blocks)
     inside = {id(m) for block in blocks for m in block.modules()}
+    for modules in experts.modules if experts is not None else ():
+        if id(modules[0]) in inside:
+            unit = fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=options.zero == 3,
+                               **{**common, "mesh": experts.mesh, "shard_placement_fn": _expert_placement})
+            unit = unit[0] if isinstance(unit, list) else unit
+            unit.set_gradient_divide_factor(experts.divide_factor)
+            if experts.mesh.size() > 1 and dist.get_backend(experts.mesh.get_group()) != "nccl":
+                # FSDP2 divides by a factor other than its group's size in the collective (PREMUL_SUM), which only
+                # NCCL has; elsewhere (gloo) it must sum and divide afterwards. (A group of one rank divides without
+                # a collective: forcing the sum there divides twice.)
+                unit.set_force_sum_reduction_for_comms(True)
     # Own units first: a block's unit gathers its parameters only around the block's own forward, and FSDP2 lets
     # one unit manage a parameter (a module several blocks hold is called by each of them).
     for modules in [*([m] for m in called_outside if id(m) in inside), *shared_between_blocks(blocks)]:
@@ -129,6 +153,14 @@ def _shard_placement(parameter: nn.Parameter) -> Shard | None:
         strided = [p for p in parameter.placements if isinstance(p, StridedShard)]
         if strided:
             return Shard(1 if strided[0].dim == 0 else 0)
+    return None
+
+
+def _expert_placement(parameter: nn.Parameter) -> Shard | None:
+    # Stacked experts are already split along their first dimension over the ep ranks; a second split of it would
+    # leave a rank no rows when the ranks outnumber the local experts (torchtitan shards the next dimension too).
+    if isinstance(parameter, DTensor) and parameter.dim() >= 2 and Shard(0) in parameter.placements:
+        return Shard(1)
     return None
 
 

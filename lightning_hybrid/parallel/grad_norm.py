@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Container, Iterable, Optional
+from types import MappingProxyType
+from typing import Container, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 def total_grad_norm(
     parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pipeline_group: Optional[dist.ProcessGroup] = None,
     counted_elsewhere: Container[int] = (), device: Optional[torch.device] = None,
+    spread: Mapping[int, dist.ProcessGroup] = MappingProxyType({}),
 ) -> torch.Tensor:
     """The ``norm_type`` norm of all gradients of the model, over every mesh (and pipeline stage): a scalar tensor
     on the gradients' device, on ``device`` when it is combined over ``pipeline_group``. Nothing here reads a value
@@ -38,7 +40,9 @@ def total_grad_norm(
     device the strategy computes on, the one its collectives need (NCCL refuses a CPU tensor), which a rank
     holding no gradient (a frozen stage) or holding them in CPU memory (offload) cannot tell from its gradients.
     Every rank of the mesh must call it (it communicates). A parameter held by several stages (a tied weight)
-    counts once: the ranks that do not count it pass its ``id`` in ``counted_elsewhere``.
+    counts once: the ranks that do not count it pass its ``id`` in ``counted_elsewhere``. ``spread``: ``id`` of a
+    parameter → the group of ranks holding the others of its set (experts spread whole over the ep ranks), over
+    which the norms of such parameters add up.
 
     Example::
 
@@ -47,12 +51,13 @@ def total_grad_norm(
     with_grads = [p for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
     here = with_grads[0].grad.device if with_grads else device or torch.device("cpu")
     norms = []
-    for group in _by_mesh(with_grads).values():
+    for (_, spread_over), group in _by_mesh(with_grads, spread).items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().to(here))
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().to(here)
+        norms.append(norm if spread_over is None else _combine_over_ranks(norm, norm_type, spread_over))
     total = torch.linalg.vector_norm(torch.stack(norms), ord=norm_type) if norms else torch.zeros((), device=here)
     if pipeline_group is not None:  # a no-op move on the compute device; offloaded (CPU) gradients' norm goes there
-        total = _combine_over_stages(total.to(device or here), norm_type, pipeline_group)
+        total = _combine_over_ranks(total.to(device or here), norm_type, pipeline_group)
     return total
 
 
@@ -63,6 +68,7 @@ def clip_grad_norm_(
     pipeline_group: Optional[dist.ProcessGroup] = None,
     counted_elsewhere: Container[int] = (),
     device: Optional[torch.device] = None,
+    spread: Mapping[int, dist.ProcessGroup] = MappingProxyType({}),
 ) -> torch.Tensor:
     """Clip gradients in place to a total ``norm_type`` norm of ``max_norm``; returns the total norm
     (:func:`total_grad_norm`). The scaling runs where the gradients are: no host synchronization.
@@ -72,21 +78,25 @@ def clip_grad_norm_(
         clip_grad_norm_(module.parameters(), 1.0, pipeline_group=pp_group, device=strategy.root_device)
     """
     parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type, pipeline_group, counted_elsewhere, device)
-    for group in _by_mesh([p for p in parameters if p.grad is not None]).values():
+    total = total_grad_norm(parameters, norm_type, pipeline_group, counted_elsewhere, device, spread)
+    for group in _by_mesh([p for p in parameters if p.grad is not None], spread).values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
 
 
-def _by_mesh(parameters: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
-    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+def _by_mesh(parameters: list[torch.Tensor],
+             spread: Mapping[int, dist.ProcessGroup]) -> dict[tuple[object, object], list[torch.Tensor]]:
+    """Parameters by their gradients' mesh, and by the group of ranks holding other such parameters whose norms
+    add to theirs (``spread``: experts that expert parallelism spread whole over ranks)."""
+    by_mesh: dict[tuple[object, object], list[torch.Tensor]] = defaultdict(list)
     for parameter in parameters:
         grad = parameter.grad
-        by_mesh[grad.device_mesh if isinstance(grad, DTensor) else None].append(parameter)
+        key = (grad.device_mesh if isinstance(grad, DTensor) else None, spread.get(id(parameter)))
+        by_mesh[key].append(parameter)
     return by_mesh
 
 
-def _combine_over_stages(local: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+def _combine_over_ranks(local: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
     """Every stage's norm combined; ``local`` stays on its device (the collective's), so the host never waits."""
     if math.isinf(norm_type):
         combined = local.clone()

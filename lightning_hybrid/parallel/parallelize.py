@@ -13,13 +13,17 @@
 2. **tensor parallelism**: replaces the blocks' parameters with DTensors on the tensor mesh, and the token
    embedding's and head's with shards over the vocabulary (:mod:`lightning_hybrid.tensor_parallel.vocab`; which they
    are was read from the record, of the unmodified model);
+2b. **expert parallelism** (``ep > 1``, :mod:`lightning_hybrid.parallel.expert_step`): each mixture-of-experts
+   layer's experts spread over the ep ranks, checked against the whole layer on the first batch; after tensor
+   parallelism, which plans the blocks with the experts whole, and before anything wraps the blocks;
 3. **activation checkpointing**: after tensor parallelism, so the recomputed forward runs the sharded layers and
    their collectives; inside the FSDP2 units applied next, so their hooks gather parameters for the recompute;
 4. **torch.compile** per block, in place (``compile=``): after checkpointing, so the recompute is in the graph;
    before FSDP2, whose hooks then run eagerly around each block's graph (torchtitan's order); see
    :mod:`lightning_hybrid.parallel.compile`;
 5. **FSDP2** last: it shards whatever parameters it finds, DTensors included, over the data mesh; with a pipeline
-   each stage module is the root of its own units;
+   each stage module is the root of its own units; experts spread by step 2b are units of their own over the ranks
+   holding the same experts;
 6. **materialization**: a meta-device model gets its values now that each rank holds only its shards;
 7. **pipeline verification** (``verify_pipeline``): once every parallelism is applied, so that the pipelined step
    it runs on the first batch is the one training will run; compared with the unsplit step taken in step 1 on the
@@ -65,7 +69,9 @@ from lightning_hybrid.parallel.compile import compile_blocks
 from lightning_hybrid.parallel.construction import recorded_values, recording_construction  # noqa: F401 (strategy's)
 from lightning_hybrid.parallel.initialization import materialize_meta_module
 from lightning_hybrid.tensor_parallel.loss_parallel import require_sharded_head
-from lightning_hybrid.parallel.fsdp import FSDPOptions, apply_fsdp, mixed_precision_policy
+from lightning_hybrid.expert_parallel.apply import AppliedExperts
+from lightning_hybrid.parallel.expert_step import apply_expert_parallelism, expert_units, spread_experts
+from lightning_hybrid.parallel.fsdp import ExpertUnits, FSDPOptions, apply_fsdp, mixed_precision_policy
 from lightning_hybrid.tensor_parallel.apply import apply_tensor_parallel
 from lightning_hybrid.tensor_parallel.fallback import AppliedPlan
 from lightning_hybrid.tensor_parallel.vocab import VocabLayers, find_vocab_layers, shard_vocab_layers
@@ -81,6 +87,7 @@ class Parallelized:
     pipeline: Optional[Pipeline] = None
     tp_plan: AppliedPlan = field(default_factory=AppliedPlan)
     sharded: bool = False
+    experts: Optional[AppliedExperts] = None
 
 
 def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh, dims: ParallelDims,
@@ -106,6 +113,10 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     if dims.tp > 1 or options.tp_plan:
         result.tp_plan = apply_tensor_parallelism(module, blocks_path, blocks, mesh, dims, options, probe, vocab,
                                                   owned, held_modules_whole(module, result.pipeline))
+    # 2b. expert parallelism (its FSDP2 units in step 5)
+    if dims.ep > 1:
+        result.experts = apply_expert_parallelism(module, blocks, dims, probe, owned, options.verify_tp_plan,
+                                                  device.type)
     # 3. activation checkpointing
     if options.checkpointing is not None:
         apply_checkpointing(blocks, owned, options.checkpointing)
@@ -115,7 +126,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         apply_compile(module, blocks, owned, options.compile_arguments, options.pipeline_schedule)
     # 5. FSDP2
     result.sharded = apply_data_parallel(module, blocks_path, blocks, mesh, data_mesh, dims, options, precision,
-                                         result.pipeline, called_outside)
+                                         result.pipeline, called_outside, result.experts)
     # 6. materialization
     skip = loaded_names(module, options.weights) if options.weights is not None else ()
     apply_materialization(module, torch.device("cpu") if options.offload else device, recorded, skip)
@@ -294,20 +305,25 @@ def fsdp_applies(dims: ParallelDims, options: HybridOptions, precision: str) -> 
 
 def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh,
                         data_mesh: DeviceMesh, dims: ParallelDims, options: HybridOptions, precision: str,
-                        pipeline: Optional[Pipeline], called_outside: Sequence[nn.Module] = ()) -> bool:
+                        pipeline: Optional[Pipeline], called_outside: Sequence[nn.Module] = (),
+                        experts: Optional[AppliedExperts] = None) -> bool:
     """FSDP2 over the data mesh (HSDP with replicas), block by block then the root, or per pipeline stage; builds
-    the pipeline's stage modules. Returns whether FSDP2 was applied. ``data_mesh`` is the flattened data-parallel
+    the pipeline's stage modules; ``experts`` (expert parallelism's) are units over the ranks holding them. Returns
+    whether FSDP2 was applied. ``data_mesh`` is the flattened data-parallel
     mesh itself: slicing it out of ``mesh`` (``mesh["dp"]``) is deprecated by torch 2.13 and warns on every rank."""
     fsdp_mesh = mesh[DATA_DIMS] if dims.dp_replicate > 1 else mesh[DATA_SHARD]
     fsdp_options = FSDPOptions(zero=int(options.zero),
                                mixed_precision=mixed_precision_policy(precision, options.reduce_dtype),
                                offload=options.offload)
     sharded = fsdp_applies(dims, options, precision)
+    units = expert_units(experts, dims, mesh.device_type)
     if pipeline is not None:
         install_stages(pipeline, blocks, fsdp_mesh, fsdp_options if sharded else None, data_mesh.get_group(),
-                       called_outside)
+                       called_outside, units)
     elif sharded:
-        apply_fsdp(module, blocks, fsdp_mesh, fsdp_options, data_mesh.get_group(), called_outside)
+        apply_fsdp(module, blocks, fsdp_mesh, fsdp_options, data_mesh.get_group(), called_outside, units)
+    if experts is not None:  # their gradient norms add up over the ep ranks: the parameters FSDP2 made
+        experts.spread_norms = spread_experts(experts, dims, mesh.device_type)
     mesh_shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
     if sharded:
         rank_zero_info(f"HybridStrategy: FSDP2 (ZeRO-{options.zero}) over {len(blocks)} blocks of '{blocks_path}',"
@@ -319,14 +335,14 @@ def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, 
 
 def install_stages(pipeline: Pipeline, blocks: BlockList, fsdp_mesh: DeviceMesh,
                    fsdp_options: Optional[FSDPOptions], data_group: Any = None,
-                   called_outside: Sequence[nn.Module] = ()) -> None:
+                   called_outside: Sequence[nn.Module] = (), experts: Optional[ExpertUnits] = None) -> None:
     """Build this rank's stage modules; with ``fsdp_options``, FSDP2 per block of each local stage, each stage
     module the root of its own units (``data_group``, ``called_outside``: see :func:`apply_fsdp`)."""
     pipeline.install(sharded=fsdp_options is not None)
     if fsdp_options is not None:
         for stage, stage_module in pipeline.stage_modules.items():
             stage_blocks = [blocks[i] for i in pipeline.split.block_range(stage)]
-            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options, data_group, called_outside)
+            apply_fsdp(stage_module, stage_blocks, fsdp_mesh, fsdp_options, data_group, called_outside, experts)
     pipeline.route_units()
 
 

@@ -180,14 +180,18 @@ def check_pipeline(pipeline: Any, probe: StepProbe, reference: UnsplitStep, data
     # differences are measured against at least a hundredth of the typical gradient's norm.
     norms = [float(g.norm()) for g in reference.gradients.values()]
     floor = 1e-2 * math.sqrt(sum(n * n for n in norms) / len(norms)) if norms else 0.0
-    for name, parameter in pipeline.module.named_parameters(remove_duplicate=False):
-        if name not in reference.gradients or not parameter.requires_grad:
-            continue
+    local = dict(pipeline.module.named_parameters(remove_duplicate=False))
+    # Every rank of the data group reduces the same names, in one order: those its stages held before the split,
+    # held here now or not (expert parallelism leaves each rank some of a layer's experts only).
+    for name in sorted(reference.gradients):
         expected = reference.gradients[name]
         if data_group is not None:
             expected = expected.clone()
             dist.all_reduce(expected, group=data_group)
             expected /= dist.get_world_size(data_group)
+        parameter = local.get(name)
+        if parameter is None or not parameter.requires_grad:
+            continue
         got = held.get(parameter)
         got = got.full_tensor() if isinstance(got, DTensor) else got
         differences.append((name, _relative(torch.zeros_like(expected) if got is None else got.float(), expected,
