@@ -323,8 +323,8 @@ def _lightning_module(args: argparse.Namespace, trainer: pl.Trainer) -> pl.Light
     ``trainer.init_module(empty_init=True)``, so on the meta device (the strategy materializes it)."""
     if args.user_parallel:
         return UserParallelModule(args.model, seed=args.seed)
-    config = {} if args.layers is None else {LAYERS_FIELD[args.model]: args.layers}
     kwargs = {"init": args.init, **args.module_kwargs}
+    config = {**kwargs.pop("config", {}), **({} if args.layers is None else {LAYERS_FIELD[args.model]: args.layers})}
     if kwargs["init"] != "init_module":
         return build_module(args.model, seed=args.seed, config=config, **kwargs)
     with trainer.init_module(empty_init=True):

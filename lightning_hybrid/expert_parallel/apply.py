@@ -37,18 +37,22 @@ class AppliedExperts:
     units: list[list[nn.Module]] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
     largest_difference: float = 0.0
+    checked: bool = False
     #: ``id`` of a parameter of experts spread whole (a list) → the ep group its gradient norm adds up over; set
     #: once FSDP2 has made the parameters the optimizer sees.
     spread_norms: dict[int, Any] = field(default_factory=dict)
 
     def describe(self, ep: int) -> str:
+        """Which experts each ep rank holds, e.g. ``"2 expert layers of 4 experts over ep=2: ep rank 0 holds
+        experts 0-1, ep rank 1 holds experts 2-3"``."""
         if not self.groups:
             return f"no mixture-of-experts layer found to split over ep={ep}"
-        counts = sorted({group.count for group in self.groups.values()})
-        local = {group.count: group.local for group in self.groups.values()}
-        spread = ", ".join(f"{count} experts, {local[count]} per rank (rank r holds {local[count]}·r to"
-                           f" {local[count]}·r+{local[count] - 1})" for count in counts)
-        return f"{len(self.groups)} expert layers over ep={ep}: {spread}"
+        parts = []
+        for count in sorted({group.count for group in self.groups.values()}):
+            layers, local = sum(g.count == count for g in self.groups.values()), count // ep
+            held = ", ".join(f"ep rank {r} holds experts {r * local}-{(r + 1) * local - 1}" for r in range(min(ep, 8)))
+            parts.append(f"{layers} expert layers of {count} experts over ep={ep}: {held}{', ...' if ep > 8 else ''}")
+        return "; ".join(parts)
 
 
 class ExpertSplitRefused(ValueError):
@@ -67,8 +71,9 @@ def apply_expert_parallel(root: nn.Module, blocks: BlockList, block_calls: Mappi
         args, kwargs = block_call(block_calls, indices[0])
         found = find_expert_layers(blocks[targets[0]], args, kwargs)
         applied.kept.update({f"{blocks.name(targets[0])}.{path}": why for path, why in found.kept.items()})
+        on_meta = any(p.is_meta for p in blocks[targets[0]].parameters())
         for position, index in enumerate(targets):
-            check = verify and position == 0
+            check = verify and position == 0 and not on_meta  # no values to compare (the pipeline's check has)
             _split_block(blocks[index], found, mesh, applied, names, check, _tolerance(blocks[index]))
     return applied
 
@@ -116,7 +121,7 @@ def _divisible(name: str, count: int, ep: int) -> int:
 
 
 def _checked(name: str, difference: float, tolerance: float, applied: AppliedExperts) -> None:
-    applied.largest_difference = max(applied.largest_difference, difference)
+    applied.largest_difference, applied.checked = max(applied.largest_difference, difference), True
     if not difference <= tolerance:
         raise ExpertSplitRefused(
             f"HybridStrategy(ep=...): '{name}' split over the ep ranks computes another result than whole on the"

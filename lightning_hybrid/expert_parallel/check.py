@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,7 +43,7 @@ def layer_gradients(layer: nn.Module, args: tuple, kwargs: dict) -> LayerGradien
     held = {name: p.grad for name, p in layer.named_parameters()}
     for p in layer.parameters():
         p.grad = None
-    args, kwargs = tree_map(_leaf, (args, kwargs))
+    args, kwargs = tree_map(_leaf, copy.deepcopy((args, kwargs)))  # a key/value cache it gets is updated in place
     inputs = [v for v in tree_leaves((args, kwargs)) if isinstance(v, Tensor) and v.requires_grad]
     outputs = [v for v in tree_leaves(layer(*args, **kwargs)) if isinstance(v, Tensor) and v.is_floating_point()]
     generator = torch.Generator(device=outputs[0].device).manual_seed(0)

@@ -35,6 +35,7 @@ class ExchangeStats:
     """What one expert layer moved on this rank since :meth:`take` last read it."""
 
     tokens_per_expert: Optional[Tensor] = None
+    #: Rows sent to other ranks (forward), bytes sent to them (forward and backward), seconds in forward exchanges.
     rows_sent: int = 0
     bytes_sent: int = 0
     seconds: float = 0.0
@@ -84,26 +85,33 @@ class ExpertGroup:
         return received
 
 
-def send_rows(rows: Tensor, per_rank: list[int], group: ExpertGroup) -> tuple[Tensor, list[int]]:
+def send_rows(rows: Tensor, per_rank: list[int], group: ExpertGroup, counted: bool = True) -> tuple[Tensor, list[int]]:
     """``rows`` (grouped by destination, ``per_rank[r]`` for rank ``r``) sent; returns the rows received (grouped by
-    sender) and how many came from each rank."""
+    sender) and how many came from each rank. ``counted``: added to the group's figures (training, not
+    validation)."""
     start = time.perf_counter()
     received_counts = group.counts_from_each(torch.tensor(per_rank, dtype=torch.long, device=rows.device)).tolist()
     received = all_to_all_autograd(rows, received_counts, per_rank, group.mesh.get_group())
-    _count(group.stats, rows, start)
+    if counted:
+        _count(group, rows, per_rank, start)
     return received, received_counts
 
 
-def return_rows(results: Tensor, per_rank: list[int], received_per_rank: list[int], group: ExpertGroup) -> Tensor:
+def return_rows(results: Tensor, per_rank: list[int], received_per_rank: list[int], group: ExpertGroup,
+                counted: bool = True) -> Tensor:
     """The results for the rows :func:`send_rows` received sent back; returns this rank's rows' results, in the
     order its rows were sent."""
     start = time.perf_counter()
     back = all_to_all_autograd(results, per_rank, received_per_rank, group.mesh.get_group())
-    _count(group.stats, results, start)
+    if counted:
+        _count(group, results, received_per_rank, start)
     return back
 
 
-def _count(stats: ExchangeStats, sent: Tensor, start: float) -> None:
-    stats.rows_sent += sent.shape[0]
-    stats.bytes_sent += sent.numel() * sent.element_size()
-    stats.seconds += time.perf_counter() - start
+def _count(group: ExpertGroup, sent: Tensor, per_rank: list[int], start: float) -> None:
+    """Rows to other ranks only (a rank's rows for its own experts cross no link); the backward sends as many
+    bytes back the same way, so the figures count them twice; the seconds are the forward's."""
+    rows = sent.shape[0] - per_rank[group.rank]
+    group.stats.rows_sent += rows
+    group.stats.bytes_sent += 2 * rows * (sent[0].numel() if sent.shape[0] else 0) * sent.element_size()
+    group.stats.seconds += time.perf_counter() - start

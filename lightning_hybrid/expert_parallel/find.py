@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid._compat import tree_map
 from lightning_hybrid.expert_parallel.stacked import CallRoles, expert_count
+from lightning_hybrid.probe.meta_step import meta_step
 
 
 @dataclass
@@ -67,12 +69,22 @@ def find_expert_layers(block: nn.Module, args: tuple, kwargs: dict) -> FoundExpe
     if not stacks and not lists:
         return found
     watch = _CallWatch(block, set(stacks.values()) | {child for m in lists.values() for child in m})
-    with torch.no_grad(), watch:
-        block(*args, **kwargs)
+    on_meta = any(p.is_meta for p in block.parameters())
+    try:
+        with torch.no_grad(), watch, meta_step() if on_meta else contextlib.nullcontext():
+            call_args, call_kwargs = copy.deepcopy((args, kwargs))  # the block may update a key/value cache it gets
+            block(*call_args, **call_kwargs)
+    except Exception:  # noqa: BLE001 - a meta-device block choosing rows by value (lists) cannot run on meta
+        if not on_meta:
+            raise
     for name, module in stacks.items():
         _add_stack(found, name, module, watch)
     for name, experts in lists.items():
-        _add_list(found, name, experts, watch)
+        if on_meta:
+            found.kept[name] = ("on the meta device which rows a router sends to each module of the list cannot be"
+                                " seen; build the model with values to spread it over the ep ranks")
+        else:
+            _add_list(found, name, experts, watch)
     return found
 
 

@@ -74,7 +74,7 @@ def _two_pass_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
 
     with _routed(experts, record):
         base_forward(self, *args, **kwargs)
-    results = _exchange(recorded, experts, self.ep_group)
+    results = _exchange(recorded, experts, self.ep_group, counted=self.training)
     _restore_random_state(random_state)
 
     def replay(index: int, rows: Tensor) -> Tensor:
@@ -87,22 +87,25 @@ def _two_pass_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return base_forward(self, *args, **kwargs)
 
 
-def _exchange(recorded: list[list[Tensor]], experts: Sequence[nn.Module], group: ExpertGroup) -> list[list[Tensor]]:
-    """Each expert's recorded rows through the rank holding it; the results split as the calls were."""
+def _exchange(recorded: list[list[Tensor]], experts: Sequence[nn.Module], group: ExpertGroup,
+              counted: bool) -> list[list[Tensor]]:
+    """Each expert's recorded rows through the rank holding it; the results split as the calls were (``counted``:
+    in the group's figures)."""
     template = next(rows for calls in recorded for rows in calls)
     per_expert = [torch.cat(calls) if calls else template.new_zeros(0, *template.shape[1:]) for calls in recorded]
     counts = torch.tensor([rows.shape[0] for rows in per_expert], dtype=torch.long, device=template.device)
-    group.stats.add_routed(torch.repeat_interleave(torch.arange(len(experts), device=counts.device), counts),
-                           len(experts))
+    if counted:
+        group.stats.add_routed(torch.repeat_interleave(torch.arange(len(experts), device=counts.device), counts),
+                               len(experts))
     per_rank = counts.view(group.size, group.local).sum(1).tolist()
-    received, received_per_rank = send_rows(torch.cat(per_expert), per_rank, group)
+    received, received_per_rank = send_rows(torch.cat(per_expert), per_rank, group, counted)
     from_each = group.counts_from_each(counts).view(group.size, group.local)  # sender × local expert
     pieces = list(received.split(from_each.reshape(-1).tolist()))
     outputs = [experts[expert](torch.cat(pieces[local::group.local]))
                for local, expert in enumerate(group.owned)]
     by_sender = [output.split(from_each[:, local].tolist()) for local, output in enumerate(outputs)]
     results = torch.cat([by_sender[local][sender] for sender in range(group.size) for local in range(group.local)])
-    back = return_rows(results, per_rank, received_per_rank, group).split(counts.tolist())
+    back = return_rows(results, per_rank, received_per_rank, group, counted).split(counts.tolist())
     return [list(rows.split([call.shape[0] for call in calls])) for rows, calls in zip(back, recorded)]
 
 

@@ -106,13 +106,14 @@ def split_stack(module: nn.Module, group: ExpertGroup, roles: CallRoles) -> None
 def _dispatched_forward(self: Any, *args: Any, **kwargs: Any) -> Tensor:
     group: ExpertGroup = self.ep_group
     tokens, chosen, weights = self.ep_roles.read(args, kwargs)
-    group.stats.add_routed(chosen, group.count)
+    if self.training:  # the figures count training tokens
+        group.stats.add_routed(chosen, group.count)
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, so by rank, and per expert in the module's own order
     experts = flat[order]
     token_of = order // chosen.shape[1]
     per_rank = torch.bincount(experts // group.local, minlength=group.size).tolist()
-    received, received_per_rank = send_rows(tokens[token_of], per_rank, group)
+    received, received_per_rank = send_rows(tokens[token_of], per_rank, group, counted=self.training)
     local_ids = _received_local_ids(experts % group.local, per_rank, received_per_rank, group)
     width = 1 if self.ep_roles.per_choice else group.local
     ones = weights.new_ones(received.shape[0], width)
@@ -123,7 +124,7 @@ def _dispatched_forward(self: Any, *args: Any, **kwargs: Any) -> Tensor:
     # Every rank sends results back and every local expert gets a gradient, even where no row arrived (a
     # collective and FSDP2's reduce-scatter need every rank): terms that add zero tie them into the graph.
     results = results + sum(p.reshape(-1)[:1].sum() for p in local.values()) * 0 + received.sum() * 0
-    back = return_rows(results, per_rank, received_per_rank, group)
+    back = return_rows(results, per_rank, received_per_rank, group, counted=self.training)
     chosen_weights = weights.reshape(-1) if self.ep_roles.per_choice else weights.gather(1, chosen).reshape(-1)
     weighted = (back * chosen_weights[order].unsqueeze(1)).to(tokens.dtype)
     return tokens.new_zeros(tokens.shape[0], back.shape[1]).index_add(0, token_of, weighted)

@@ -19,7 +19,9 @@ progress bar (``HybridStrategy(monitor=False)`` turns it off, ``monitor=Parallel
   closed form);
 * ``comm/share_of_step`` (time in collectives, from a profile of the second batch, mean over ranks) and
   ``comm/bytes_per_batch/<collective>`` (the rank that moves the most);
-* ``grad_norm``: the total gradient norm over all meshes and stages, before clipping.
+* ``grad_norm``: the total gradient norm over all meshes and stages, before clipping;
+* with expert parallelism, ``experts/...``: tokens per expert, imbalance over experts and over ep ranks,
+  all-to-all bytes and share of the step (:mod:`lightning_hybrid.observe.experts`).
 
 Every ``timeline_every_n_steps`` batches (pipelines only) it adds an image ``pipeline/timeline``: a Gantt chart of
 each rank's forward (F), backward (B), input-gradient (I) and weight-gradient (W) actions per microbatch, and
@@ -56,6 +58,7 @@ from torch import Tensor
 from lightning_hybrid._compat import tree_flatten
 from lightning_hybrid.checks import check_positive
 from lightning_hybrid.observe.counting import StepCounter
+from lightning_hybrid.observe.experts import expert_metrics, take_expert_figures
 from lightning_hybrid.observe.profiling import CommunicationProfile, TraceWindow, profile_window
 from lightning_hybrid.observe.progress import ProgressFigures, place_before_progress_bar
 from lightning_hybrid.observe.run_record import record_run
@@ -141,6 +144,7 @@ class ParallelMonitor(pl.Callback):
     # ------------------------------------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trace = record_run(trainer, pl_module, self.predict, self.profile_steps)
+        take_expert_figures(trainer.strategy)  # what the setup checks routed is not training
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._trace is not None:
@@ -240,6 +244,7 @@ class ParallelMonitor(pl.Callback):
             "peak_memory": _peak_memory_bytes(trainer.strategy.root_device),
             "timelines": window.timelines,
             "pipeline": tuple(pipeline.pp_ranks) if pipeline is not None else None,
+            "experts": take_expert_figures(trainer.strategy),
         }
         per_rank = _gather_to_rank_0(trainer, summary)
         grad_norm, self._grad_norm = self._grad_norm, None
@@ -252,6 +257,9 @@ class ParallelMonitor(pl.Callback):
         metrics["memory/peak_max_rank"] = float(peaks.index(max(peaks)))
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)  # the one host read of the norm: rank 0, when it logs
+        dims = getattr(trainer.strategy, "dims", None)
+        metrics.update(expert_metrics([rank["experts"] for rank in per_rank], len(window.step_times),
+                                      sum(window.step_times), dims.tp if dims is not None else 1))
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

@@ -19,7 +19,9 @@ from torch.distributed.tensor import DTensor
 from lightning_hybrid.expert_parallel.apply import AppliedExperts, apply_expert_parallel
 from lightning_hybrid.mesh import DATA_REPLICATE, EXPERT, EXPERT_DATA, ParallelDims
 from lightning_hybrid.parallel.fsdp import ExpertUnits
-from lightning_hybrid.probe.blocks import BlockList
+from lightning_hybrid.expert_parallel.find import find_expert_layers
+from lightning_hybrid.probe.blocks import BlockList, block_structures
+from lightning_hybrid.probe.record import block_call
 from lightning_hybrid.probe.step_probe import StepProbe
 
 
@@ -31,11 +33,31 @@ def apply_expert_parallelism(module: nn.Module, blocks: BlockList, dims: Paralle
     mesh = dims.build_expert_mesh(device_type)[EXPERT]
     applied = apply_expert_parallel(module, blocks, probe.record().block_calls, mesh, owned, verify=verify)
     checked = (f"; checked against the whole layers on the first batch (largest relative difference"
-               f" {applied.largest_difference:.2g}) in {time.perf_counter() - start:.2f} s" if verify else "")
+               f" {applied.largest_difference:.2g}) in {time.perf_counter() - start:.2f} s" if applied.checked else "")
     rank_zero_info(f"HybridStrategy: {applied.describe(dims.ep)}{checked}")
     for name, why in applied.kept.items():
         rank_zero_info(f"HybridStrategy: '{name}' stays on every rank (ep): {why}.")
     return applied
+
+
+def experts_kept_whole_by_tp(module: nn.Module, blocks: BlockList, probe: StepProbe,
+                             owned: Sequence[int]) -> dict[str, str]:
+    """``tp_plan`` entries keeping the expert layers step 2b will spread whole over the tensor-parallel ranks: the
+    experts are split over ep instead (each tp rank routes the same tokens, over its own ep group)."""
+    entries: dict[str, str] = {}
+    for indices in block_structures(blocks):
+        targets = [i for i in indices if i in owned]
+        if not targets:
+            continue
+        args, kwargs = block_call(probe.record().block_calls, indices[0])
+        found = find_expert_layers(blocks[targets[0]], args, kwargs)
+        for path in [*found.stacks, *found.lists]:
+            for index in targets:
+                layer = blocks[index].get_submodule(path)
+                entries.update({f"{blocks.name(index)}.{path}{'.' + name if name else ''}": "replicate"
+                                for name, inner in layer.named_modules()
+                                if any(True for _ in inner.parameters(recurse=False))})
+    return entries
 
 
 def expert_units(applied: Optional[AppliedExperts], dims: ParallelDims, device_type: str) -> Optional[ExpertUnits]:

@@ -117,10 +117,10 @@ def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, o
                                **{**common, "mesh": experts.mesh, "shard_placement_fn": _expert_placement})
             unit = unit[0] if isinstance(unit, list) else unit
             unit.set_gradient_divide_factor(experts.divide_factor)
-            if experts.mesh.size() > 1 and dist.get_backend(experts.mesh.get_group()) != "nccl":
-                # FSDP2 divides by a factor other than its group's size in the collective (PREMUL_SUM), which only
-                # NCCL has; elsewhere (gloo) it must sum and divide afterwards. (A group of one rank divides without
-                # a collective: forcing the sum there divides twice.)
+            if experts.mesh.size(experts.mesh.ndim - 1) > 1 and dist.get_backend() != "nccl":
+                # FSDP2 divides by a factor other than its group's size in the reduce-scatter (PREMUL_SUM), which
+                # only NCCL has; elsewhere (gloo) it must sum and divide afterwards. (With one shard rank it divides
+                # while copying, without a collective: forcing the sum there divides twice.)
                 unit.set_force_sum_reduction_for_comms(True)
     # Own units first: a block's unit gathers its parameters only around the block's own forward, and FSDP2 lets
     # one unit manage a parameter (a module several blocks hold is called by each of them).

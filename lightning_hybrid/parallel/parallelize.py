@@ -70,7 +70,8 @@ from lightning_hybrid.parallel.construction import recorded_values, recording_co
 from lightning_hybrid.parallel.initialization import materialize_meta_module
 from lightning_hybrid.tensor_parallel.loss_parallel import require_sharded_head
 from lightning_hybrid.expert_parallel.apply import AppliedExperts
-from lightning_hybrid.parallel.expert_step import apply_expert_parallelism, expert_units, spread_experts
+from lightning_hybrid.parallel.expert_step import (apply_expert_parallelism, expert_units, experts_kept_whole_by_tp,
+                                              spread_experts)
 from lightning_hybrid.parallel.fsdp import ExpertUnits, FSDPOptions, apply_fsdp, mixed_precision_policy
 from lightning_hybrid.tensor_parallel.apply import apply_tensor_parallel
 from lightning_hybrid.tensor_parallel.fallback import AppliedPlan
@@ -111,8 +112,9 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         owned = result.pipeline.owned_blocks
     # 2. tensor parallelism
     if dims.tp > 1 or options.tp_plan:
+        experts_whole = experts_kept_whole_by_tp(module, blocks, probe, owned) if dims.ep > 1 else {}
         result.tp_plan = apply_tensor_parallelism(module, blocks_path, blocks, mesh, dims, options, probe, vocab,
-                                                  owned, held_modules_whole(module, result.pipeline))
+                                                  owned, {**held_modules_whole(module, result.pipeline), **experts_whole})
     # 2b. expert parallelism (its FSDP2 units in step 5)
     if dims.ep > 1:
         result.experts = apply_expert_parallelism(module, blocks, dims, probe, owned, options.verify_tp_plan,
