@@ -40,12 +40,13 @@ def apply_expert_parallelism(module: nn.Module, blocks: BlockList, dims: Paralle
     return applied
 
 
-def experts_kept_whole_by_tp(module: nn.Module, blocks: BlockList, probe: StepProbe,
-                             owned: Sequence[int]) -> dict[str, str]:
-    """``tp_plan`` entries keeping the expert layers step 2b will spread whole over the tensor-parallel ranks: the
-    experts are split over ep instead (each tp rank routes the same tokens, over its own ep group)."""
+def experts_kept_whole_by_tp(module: nn.Module, blocks: BlockList, probe: StepProbe, owned: Sequence[int],
+                             ep: int) -> dict[str, str]:
+    """``tp_plan`` entries keeping the expert layers step 2b will spread (with ``ep`` > 1) whole over the
+    tensor-parallel ranks: the experts are split over ep instead (each tp rank routes the same tokens, over its
+    own ep group)."""
     entries: dict[str, str] = {}
-    for indices in block_structures(blocks):
+    for indices in block_structures(blocks) if ep > 1 else ():
         targets = [i for i in indices if i in owned]
         if not targets:
             continue

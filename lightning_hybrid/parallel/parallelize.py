@@ -112,9 +112,8 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         owned = result.pipeline.owned_blocks
     # 2. tensor parallelism
     if dims.tp > 1 or options.tp_plan:
-        experts_whole = experts_kept_whole_by_tp(module, blocks, probe, owned) if dims.ep > 1 else {}
-        result.tp_plan = apply_tensor_parallelism(module, blocks_path, blocks, mesh, dims, options, probe, vocab,
-                                                  owned, {**held_modules_whole(module, result.pipeline), **experts_whole})
+        whole = {**held_modules_whole(module, result.pipeline), **experts_kept_whole_by_tp(module, blocks, probe, owned, dims.ep)}
+        result.tp_plan = apply_tensor_parallelism(module, blocks_path, blocks, mesh, dims, options, probe, vocab, owned, whole)
     # 2b. expert parallelism (its FSDP2 units in step 5)
     if dims.ep > 1:
         result.experts = apply_expert_parallelism(module, blocks, dims, probe, owned, options.verify_tp_plan,
