@@ -27,6 +27,10 @@ LAYOUTS: dict[str, tuple[list[Any], int]] = {
     "tp2_pp2": (["--tp", 2, "--pp", 2, "--devices", 4], 1),
     "pp2_zbv": (["--pp", 2, "--devices", 2, "--strategy-kwargs", '{"pp_schedule": "zbv_zero_bubble"}'], 1),
     "dp2_tp2_pp2": (["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8], 2),
+    # expert parallelism: the experts spread over the data-parallel ranks (with tensor or pipeline parallelism)
+    "dp2_ep2": (["--dp", 2, "--devices", 2, "--strategy-kwargs", '{"ep": 2}'], 2),
+    "dp2_tp2_ep2": (["--dp", 2, "--tp", 2, "--devices", 4, "--strategy-kwargs", '{"ep": 2}'], 2),
+    "dp2_pp2_ep2": (["--dp", 2, "--pp", 2, "--devices", 4, "--strategy-kwargs", '{"ep": 2}'], 2),
 }
 #: Layouts whose launches run only with ``-m extended`` (4 and 8 ranks on 2 cores: about 10 minutes together); the
 #: layouts they combine run in the default suite, and the 3-D layout on the test models there too.
@@ -41,22 +45,23 @@ CASES: dict[str, tuple[str, ...]] = {
     "fused_gqa": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "hf_qwen2": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
     "hf_phi3": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
-    "hf_mixtral": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
+    "hf_mixtral": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2", "dp2_ep2", "dp2_tp2_ep2"),
     "hf_gpt_neox": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "hf_bert": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "pp2_zbv", "dp2_tp2_pp2"),
     "hf_vit": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "hf_t5_encoder": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
-    "mixed_moe": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
+    "mixed_moe": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2", "dp2_ep2", "dp2_tp2_ep2",
+                  "dp2_pp2_ep2"),
     "hf_qwen2_mqa": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "hf_bart": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "diffusers_dit": ("dp2", "tp2", "pp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_pp2"),
     "hf_mamba": ("dp2", "tp2", "pp2", "tp2_pp2"),
-    "hf_deepseek_v3": ("dp2", "tp2", "pp2", "tp2_pp2"),
-    "hf_qwen3_moe": ("dp2", "tp2", "pp2", "tp2_pp2"),
+    "hf_deepseek_v3": ("dp2", "tp2", "pp2", "tp2_pp2", "dp2_ep2", "dp2_pp2_ep2"),
+    "hf_qwen3_moe": ("dp2", "tp2", "pp2", "tp2_pp2", "dp2_ep2"),
     "hf_olmo2": ("dp2", "tp2", "pp2", "tp2_pp2"),
-    "hf_gpt_oss": ("dp2", "tp2", "pp2", "tp2_pp2"),
+    "hf_gpt_oss": ("dp2", "tp2", "pp2", "tp2_pp2", "dp2_ep2"),
     "hf_zamba2": ("dp2", "tp2", "pp2", "tp2_pp2"),
-    "hf_llama4": ("dp2", "tp2", "pp2", "tp2_pp2"),
+    "hf_llama4": ("dp2", "tp2", "pp2", "tp2_pp2", "dp2_ep2"),
     "litgpt": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "hf_swin": ("dp2", "tp2", "pp2", "tp2_pp2"),
     "peft_lora": ("dp2", "tp2", "pp2", "tp2_pp2"),
@@ -227,6 +232,27 @@ def test_zoo_tp_shards_most_of_every_block_structure(model: str, zoo_runs) -> No
     structures = zoo_runs("tp2")[model]["tp_plan"].structures
     assert structures and all(s.fraction >= TP_SHARE_LOWER.get(model, TP_SHARE) for s in structures), [
         (s.blocks, round(s.fraction, 3), s.kept_text()) for s in structures]
+
+
+#: Under ``dp2_ep2``: each family's experts (a stacked weight, or one module of a list) and how many it has. (Llama 4's
+#: experts are called with the tokens already grouped per expert, not with the router's choice: they stay whole.)
+EXPERTS = {"hf_mixtral": ("model.model.layers.0.mlp.experts.gate_up_proj", 4),
+           "hf_qwen3_moe": ("model.model.layers.0.mlp.experts.down_proj", 4),
+           "hf_deepseek_v3": ("model.model.layers.1.mlp.experts.gate_up_proj", 4),
+           "hf_gpt_oss": ("model.model.layers.0.mlp.experts.gate_up_proj_bias", 4),
+           "mixed_moe": ("model.blocks.1.experts.{}.up.weight", 4)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(EXPERTS))
+def test_zoo_experts_are_spread_over_the_ep_ranks(model: str, zoo_runs) -> None:
+    """Each of the two ranks holds half of every expert layer's experts (the numbers are the test above's)."""
+    ranks = zoo_runs("dp2_ep2")[model]["rank_local_shapes"]
+    name, count = EXPERTS[model]
+    if "{}" in name:  # a list: rank r holds experts 2r and 2r + 1, under their unmodified names
+        assert [sorted(e for e in range(count) if name.format(e) in rank) for rank in ranks] == [[0, 1], [2, 3]]
+    else:
+        assert [(rank[name][0][0], rank[name][1][0]) for rank in ranks] == [(count // 2, count)] * 2
 
 
 @pytest.mark.slow

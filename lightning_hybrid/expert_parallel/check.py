@@ -49,7 +49,9 @@ def layer_gradients(layer: nn.Module, args: tuple, kwargs: dict) -> LayerGradien
     generator = torch.Generator(device=outputs[0].device).manual_seed(0)
     torch.autograd.backward(outputs, [torch.randn(o.shape, generator=generator, device=o.device, dtype=o.dtype)
                                       for o in outputs])
-    grads = {name: _local(p.grad) for name, p in layer.named_parameters() if p.grad is not None}
+    # An expert no token of this rank chose has no gradient here: zero, so every rank sums the same names.
+    grads = {name: _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.detach()))
+             for name, p in layer.named_parameters() if p.requires_grad}
     for name, p in layer.named_parameters():
         p.grad = held.get(name)
     return LayerGradients([o.detach() for o in outputs], [i.grad for i in inputs], grads)

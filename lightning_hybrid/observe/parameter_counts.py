@@ -35,6 +35,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parameter import UninitializedParameter
 
+from lightning_hybrid.parallel.expert_step import spread_norms
+
 
 @dataclass(frozen=True)
 class HeldParameter:
@@ -84,13 +86,15 @@ def held_parameters(module: nn.Module, pipeline: Optional[Any] = None) -> dict[s
     }
 
 
-def _pipeline_parameters(module: nn.Module, pipeline: Optional[Any]) -> list[dict[str, HeldParameter]]:
-    """:func:`held_parameters` of every rank of this rank's pipeline (just this rank's without a pipeline)."""
+def _pipeline_parameters(module: nn.Module, pipeline: Optional[Any], spread: bool) -> list[dict[str, HeldParameter]]:
+    """:func:`held_parameters` of every rank of this rank's pipeline (just this rank's without a pipeline); of
+    every rank with ``spread`` (experts spread whole over the ep ranks: each holds some of them)."""
     own = held_parameters(module, pipeline)
-    if pipeline is None or not dist.is_initialized():
+    if (pipeline is None and not spread) or not dist.is_initialized():
         return [own]
-    gathered: list[Any] = [None] * dist.get_world_size(pipeline.pp_group)
-    dist.all_gather_object(gathered, own, group=pipeline.pp_group)
+    group = None if spread else pipeline.pp_group
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, own, group=group)
     return gathered
 
 
@@ -113,12 +117,14 @@ def _rank_shares(module: nn.Module, pipeline: Optional[Any]) -> list[RankShare]:
 class WholeModelSummary(LightningSummary):
     """Lightning's model summary (the same table, ``example_input_array`` sizes and FLOPs) with the whole model's
     parameter counts: per row, in total and trainable, each parameter counted once over the pipeline's ranks.
-    :attr:`shares` holds every rank's :class:`RankShare`. Collective: every rank constructs it."""
+    :attr:`shares` holds every rank's :class:`RankShare`. ``spread``: expert parallelism spread experts whole over
+    ranks (each counts its own; the table counts every rank's). Collective: every rank constructs it."""
 
-    def __init__(self, model: pl.LightningModule, max_depth: int = 1, pipeline: Optional[Any] = None) -> None:
+    def __init__(self, model: pl.LightningModule, max_depth: int = 1, pipeline: Optional[Any] = None,
+                 spread: bool = False) -> None:
         super().__init__(model, max_depth=max_depth)
         by_name: dict[str, HeldParameter] = {}
-        for rank_parameters in _pipeline_parameters(model, pipeline):
+        for rank_parameters in _pipeline_parameters(model, pipeline, spread):
             by_name.update(rank_parameters)
         self._whole = by_name
         self.shares = _rank_shares(model, pipeline)
@@ -142,7 +148,8 @@ class WholeModelSummary(LightningSummary):
 
 def summarize_whole_model(trainer: pl.Trainer, module: pl.LightningModule, max_depth: int = 1) -> WholeModelSummary:
     """The :class:`WholeModelSummary` of ``module`` as ``trainer``'s strategy laid it out (collective)."""
-    return WholeModelSummary(module, max_depth, getattr(trainer.strategy, "pipeline", None))
+    return WholeModelSummary(module, max_depth, getattr(trainer.strategy, "pipeline", None),
+                             spread=bool(spread_norms(trainer.strategy)))
 
 
 def describe_shares(summary: WholeModelSummary, trainer: pl.Trainer) -> str:
