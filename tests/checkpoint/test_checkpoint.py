@@ -163,3 +163,25 @@ def test_grouped_query_and_expert_weights_are_saved_in_the_module_layout_and_res
     losses, params = _differences(source["result"], resumed)
     print(f"{model} {SOURCES[model]} -> pp2: losses max rel {losses:.2e}, params max rel {params:.2e}")
     assert losses <= 1e-5 and params <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------- expert parallelism
+@pytest.mark.parametrize(("model", "target"), [
+    ("mixed_moe", ["--dp", 4, "--devices", 4, "--strategy-kwargs", '{"ep": 4}']),  # a list: 2 experts per rank → 1
+    ("hf_mixtral", ["--dp", 2, "--devices", 2]),                                    # stacked: back on every rank
+])
+def test_experts_spread_over_ep_ranks_resume_under_another_ep(model: str, target: list, tmp_path: Path) -> None:
+    """Saved under ep=2, each rank writing its experts under their unmodified names (a stacked weight's slices, a
+    list's modules): the checkpoint is the unmodified module's state dict, and another ep (or none) resumes it."""
+    source = run_script(["--model", model, "--dp", 2, "--devices", 2, "--strategy-kwargs", '{"ep": 2}',
+                         "--checkpoint-dir", tmp_path / "checkpoints", "--out", tmp_path / "run.pt"])
+    checkpoint = tmp_path / "checkpoints" / "epoch=0-step=4.ckpt"
+    saved = load_module_state(checkpoint)
+    plain = build_module(model).state_dict()
+    assert {name: tuple(t.shape) for name, t in saved.items()} == {name: tuple(t.shape) for name, t in plain.items()}
+    resumed = run_script(["--model", model, *target, "--ckpt-path", checkpoint, "--out", tmp_path / "resumed.pt"])
+    for name, tensor in resumed["initial_params"].items():
+        assert torch.equal(saved[name], tensor), name
+    losses, params = _differences(source, resumed)
+    print(f"{model} ep2 -> {target}: losses max rel {losses:.2e}, params max rel {params:.2e}")
+    assert losses <= 1e-5 and params <= 1e-5
