@@ -102,6 +102,15 @@ def _importable_from_here() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ plan
+#: The model flags of a mixture of experts, and of a block the dimensions do not describe.
+_EXPERT_FLAGS = {
+    "--experts": "mixture of experts: routed experts per MoE block", "--experts-per-token": "each token's routed"
+    " experts (top-k)", "--expert-ffn-hidden": "one expert's MLP width (default --ffn-hidden)", "--moe-layers": "MoE"
+    " blocks (default all, with --experts)", "--shared-experts": "experts every token goes through",
+    "--parameters-per-block": "exact parameters per block (averaged), where the dimensions do not give them"
+    " (attention wider than the model)"}
+
+
 def _add_plan_command(commands: Any) -> None:
     plan = commands.add_parser(
         "plan",
@@ -118,7 +127,7 @@ def _add_plan_command(commands: Any) -> None:
     sizes = {"--layers": "number of blocks", "--hidden": "model width", "--heads": "attention heads",
              "--kv-heads": "key/value heads (default: --heads; read from --module)",
              "--ffn-hidden": "MLP width (default 4 × hidden)", "--vocab": "vocabulary (default 32000 with --params)",
-             "--seq-len": "tokens per sequence"}
+             "--seq-len": "tokens per sequence", **_EXPERT_FLAGS}
     for flag, meaning in sizes.items():
         model.add_argument(flag, type=int, help=meaning)
     model.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (three matrices)")
@@ -238,7 +247,8 @@ def _layout_report(asked: Estimate, estimates: list[Estimate]) -> str:
              + (f"; in CPU memory {memory.offloaded / GIB:.2f} GiB" if memory.offloaded else ""),
              f"Seconds per step on the busiest rank: compute {time.compute:.3f} (matmuls"
              f" {time.compute - time.memory_bound:.3f}, memory-bound kernels {time.memory_bound:.3f}), tensor parallel"
-             f" {time.tensor_parallel:.3f}, pipeline messages {time.pipeline:.3f}, bubble {time.bubble:.3f},"
+             f" {time.tensor_parallel:.3f}, pipeline messages {time.pipeline:.3f}, expert all-to-all"
+             f" {time.experts:.3f}, bubble {time.bubble:.3f},"
              f" data parallel {time.data_parallel:.3f} ({time.data_parallel_exposed:.3f} exposed), optimizer"
              f" {time.optimizer:.3f}: {time.step:.3f} s, {asked.tokens_per_second:,.0f} tokens/s, MFU {asked.mfu:.1%}"]
     rank = _rank(asked, estimates)
@@ -282,9 +292,12 @@ def _model_from(args: argparse.Namespace) -> ModelShape:
         missing = [flag for flag, value in required.items() if value is None]
         if missing:
             raise ValueError(f"a model given by its dimensions also needs {' '.join(missing)}")
+        experts = {name: getattr(args, name) for name in ("experts", "experts_per_token", "expert_ffn_hidden",
+                                                           "moe_layers", "shared_experts", "parameters_per_block")
+                   if getattr(args, name) is not None}
         shape = ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
                            seq_len=args.seq_len, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
-                           gated_mlp=args.gated_mlp, tied_embeddings=args.tied_embeddings)
+                           gated_mlp=args.gated_mlp, tied_embeddings=args.tied_embeddings, **experts)
     return replace(shape, dropout=args.dropout, flash_attention=not args.eager_attention,
                    fused_elementwise=args.fused_kernels)
 
@@ -326,21 +339,21 @@ def _describe(model: ModelShape, cluster: Cluster, args: argparse.Namespace, fit
         f" node, {cluster.inter_node_bandwidth / 1e9:g} GB/s between nodes, {cluster.latency * 1e6:g} µs per message",
         f"Global batch {args.global_batch} sequences, {args.precision}: {fitting} of {considered} layouts fit.",
         "GiB per GPU on the fullest pipeline stage (states: parameters + gradients + AdamW moments; activ.: with"
-        " pipeline buffers); seconds per step on the busiest rank (dp: exposed data-parallel traffic; opt: the"
-        " optimizer step). accN: Trainer(accumulate_grad_batches=N); mN: pipeline microbatches; ac: activation"
+        " pipeline buffers); seconds per step on the busiest rank (ep: expert all-to-all; dp: exposed data-parallel"
+        " traffic; opt: the optimizer step). accN: Trainer(accumulate_grad_batches=N); mN: pipeline microbatches; ac: activation"
         " checkpointing.",
     ])
 
 
 def _table(estimates: list[Estimate]) -> str:
-    header = ["#", "layout", "states", "gathered", "activ.", "logits", "total", "compute", "tp", "pp", "dp",
+    header = ["#", "layout", "states", "gathered", "activ.", "logits", "total", "compute", "tp", "pp", "ep", "dp",
               "bubble", "opt", "step s", "tokens/s", "MFU", "fits"]
     rows = []
     for index, e in enumerate(estimates, 1):
         memory = [e.memory.model_states, e.memory.gathered_parameters, e.memory.activations, e.memory.logits,
                   e.memory.total]
-        time = [e.time.compute, e.time.tensor_parallel, e.time.pipeline, e.time.data_parallel_exposed, e.time.bubble,
-                e.time.optimizer, e.time.step]
+        time = [e.time.compute, e.time.tensor_parallel, e.time.pipeline, e.time.experts, e.time.data_parallel_exposed,
+                e.time.bubble, e.time.optimizer, e.time.step]
         rows.append([str(index), str(e.layout)] + [f"{value / GIB:.1f}" for value in memory]
                     + [f"{value:.3f}" for value in time]
                     + [f"{e.tokens_per_second:,.0f}", f"{e.mfu:.1%}"]

@@ -109,7 +109,8 @@ def candidate_layouts(options: HybridOptions, world: int, accumulation: int = 1,
             dp = rest if options.dp == AUTO else int(options.dp)
             if remainder or dp * tp * pp * options.dp_replicate != world:
                 continue
-            base = Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, shard_vocab=options.shard_vocab,
+            base = Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, ep=options.ep,
+                          shard_vocab=options.shard_vocab,
                           compile=options.compile_arguments is not None, offload=options.offload,
                           reduce_dtype=options.reduce_dtype, loss_parallel=options.loss_parallel)
             layouts += [replace(variant, zero=zero, activation_checkpointing=mode)

@@ -85,7 +85,18 @@ def _structural_reasons(step: StepShape) -> list[str]:
     if step.global_batch % splits:
         what = "microbatches × accumulate" if step.pipeline_steps > 1 else "microbatches"
         reasons.append(f"global batch {step.global_batch} is not divisible by dp × dp_replicate × {what} = {splits}")
-    return reasons + _option_reasons(step)
+    return reasons + _option_reasons(step) + _expert_reasons(step)
+
+
+def _expert_reasons(step: StepShape) -> list[str]:
+    """What HybridStrategy refuses about ``ep`` (mesh.py, expert_parallel/apply.py)."""
+    ep, model = step.layout.ep, step.model
+    if ep == 1:
+        return []
+    if not model.experts:
+        return [f"ep={ep} needs a mixture-of-experts model (experts > 0)"]
+    return [f"ep={ep} does not divide {name}={value}" for name, value in
+            (("dp", step.layout.dp), ("experts", model.experts)) if value % ep]
 
 
 def _option_reasons(step: StepShape) -> list[str]:
@@ -142,7 +153,7 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
                        f" {describe_size(cluster.usable_memory)}")
     time = _step_time(step, ranks)
     model_flops = 3 * global_batch * model.seq_len * (
-        2 * (model.layers * model.parameters_per_block + model.vocab * model.hidden)
+        2 * (model.layers * model.active_parameters_per_block + model.vocab * model.hidden)
         + 4 * model.layers * model.seq_len * model.hidden)
     if schedule is not None:
         layout = replace(layout, microbatches=schedule.microbatches, virtual_stages=schedule.virtual_stages)
@@ -170,9 +181,10 @@ def stage_memory(model: ModelShape, cluster: Cluster, layout: Layout, global_bat
 def _step_time(step: StepShape, ranks: list) -> TimeBreakdown:
     """The busiest rank's pipelined time, its bubble, the most exposed data-parallel time and optimizer step."""
     times = [rank_times(step, rank) for rank in ranks]
-    busiest = max(times, key=lambda rank_times_: rank_times_.compute + rank_times_.tensor + rank_times_.pipe)
-    busy, slots = busiest.compute + busiest.tensor + busiest.pipe, step.microbatches * step.virtual_stages
+    busiest = max(times, key=lambda t: t.compute + t.tensor + t.pipe + t.experts)
+    busy, slots = busiest.compute + busiest.tensor + busiest.pipe + busiest.experts, step.microbatches * step.virtual_stages
     pipelined = busy * (slots + step.layout.pp - 1) / slots  # the bubble is (p − 1) / (m·v + p − 1) of this
     exposed, optimizer = max(t.exposed for t in times), max(t.optimizer for t in times)
     return TimeBreakdown(busiest.compute, busiest.tensor, busiest.pipe, busiest.data, exposed, pipelined - busy,
-                         pipelined + exposed + optimizer, memory_bound=busiest.memory_bound, optimizer=optimizer)
+                         pipelined + exposed + optimizer, memory_bound=busiest.memory_bound, optimizer=optimizer,
+                         experts=busiest.experts)

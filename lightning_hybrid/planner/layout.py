@@ -34,6 +34,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp_replicate: int = 1
+    ep: int = 1  # expert parallelism: each MoE block's experts spread over ep of the dp (shard) ranks
     zero: int = 3
     activation_checkpointing: Union[None, str, int] = None  # None, "every", "selective" or N (every N-th block)
     pp_schedule: str = "1f1b"
@@ -52,7 +53,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         check_positive_values("Layout", dp=self.dp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
-                              accumulate=self.accumulate)
+                              accumulate=self.accumulate, ep=self.ep)
         optional = {name: getattr(self, name) for name in ("microbatches", "virtual_stages")}
         check_positive_values("Layout", **{name: value for name, value in optional.items() if value is not None})
         check_zero_level(self.zero)
@@ -79,6 +80,7 @@ class Layout:
     def __str__(self) -> str:
         """The layout in the words :func:`parse_layout` reads back."""
         text = f"dp{self.dp} tp{self.tp} pp{self.pp}" + (f" rep{self.dp_replicate}" if self.dp_replicate > 1 else "")
+        text += f" ep{self.ep}" if self.ep > 1 else ""
         text += f" acc{self.accumulation_steps}" if self.accumulation_steps > 1 else ""
         if self.pp > 1:
             text += f" {self.pp_schedule}" + (f" m{self.microbatches}" if self.microbatches else "")
@@ -156,6 +158,7 @@ class TimeBreakdown:
     step: float
     memory_bound: float = 0.0  # the part of ``compute`` that memory-bound kernels take
     optimizer: float = 0.0  # AdamW over the rank's shards (on CPU with offload=True)
+    experts: float = 0.0  # expert parallelism's all-to-all exchanges (exposed, like TP messages)
 
 
 @dataclass(frozen=True)

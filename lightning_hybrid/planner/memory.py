@@ -20,6 +20,10 @@ gradients instead of the sharded ones (and, under FSDP2, the sharded ones as wel
 them between pipeline steps). With p = 1 FSDP2 reduce-scatters each accumulation step and adds the result to the sharded
 gradients: no unsharded copy.
 
+Mixtures of experts: the dense parameters shard over d, each rank's routed experts (E/ep of them under expert
+parallelism, whole over tp) over the d/ep ranks holding them; FSDP2 gathers a block's local experts only; a token's
+activations span its k routed (and the shared) experts' widths, plus its k rows as dispatched and as returned.
+
 Activations per block and microbatch: Korthikanti et al. 2022, Table 2, per tensor (so GQA, ``ffn_hidden``, gated
 MLPs fit): with kv_heads = a, ffn = 4h, dropout and materialized scores at 16 bits exactly their
 s·b·h·(10 + 24/t + 5·a·s/(h·t)), 34 + 5·a·s/h at t = 1 (no sequence parallelism). Defaults: no dropout masks
@@ -46,8 +50,9 @@ def layer_activation_bytes(model: ModelShape, micro_batch: float, tp: int, eleme
     """Bytes one block saves for backward per microbatch (Korthikanti et al. 2022, Table 2, per tensor)."""
     s, h, a = model.seq_len, model.hidden, model.heads
     # q, k, v, attention output, MLP intermediates (fc, activation; gated: gate, up, activation, product)
-    sharded = h + 2 * model.kv_heads * (h // a) + h + (4 if model.gated_mlp else 2) * model.ffn_hidden
+    sharded = h + 2 * model.kv_heads * (h // a) + h + (4 if model.gated_mlp else 2) * model.active_ffn_hidden
     per_token = (4 * h + sharded / tp) * element_bytes  # + both norm inputs, attention and MLP inputs (whole)
+    per_token += _dispatched_rows(model) * element_bytes
     per_token += 4 * a / tp if model.flash_attention else a * s / tp * element_bytes  # logsumexp / softmax
     if model.dropout:  # 1-byte masks after attention and MLP (+ on the probabilities, and their dropped copy)
         per_token += 2 * h + (0 if model.flash_attention else a * s / tp * (1 + element_bytes))
@@ -61,11 +66,17 @@ def selective_layer_bytes(model: ModelShape, micro_batch: float, tp: int, elemen
     sums), the attention kernel (its output and logsumexp; materialized: the scores) and, with tp > 1, the two
     all-reduces' outputs. Norm and activation outputs and dropout masks are recomputed."""
     s, h, a = model.seq_len, model.hidden, model.heads
-    sharded = h + 2 * model.kv_heads * (h // a) + h + (2 if model.gated_mlp else 1) * model.ffn_hidden
-    whole = 3 * h + (2 * h if tp > 1 else 0)
+    sharded = h + 2 * model.kv_heads * (h // a) + h + (2 if model.gated_mlp else 1) * model.active_ffn_hidden
+    whole = 3 * h + (2 * h if tp > 1 else 0) + _dispatched_rows(model)
     per_token = (whole + sharded / tp) * element_bytes
     per_token += 4 * a / tp if model.flash_attention else a * s / tp * element_bytes
     return s * micro_batch * per_token
+
+
+def _dispatched_rows(model: ModelShape) -> float:
+    """Elements per token an MoE block keeps for backward beyond a dense MLP's, averaged over the blocks: each
+    token's k rows as sent to their experts and as returned (whoever computes them)."""
+    return 2 * model.experts_per_token * model.hidden * model.moe_layers / model.layers
 
 
 def _activations(step: StepShape, rank: PipelineRank) -> float:
@@ -86,7 +97,7 @@ def _activations(step: StepShape, rank: PipelineRank) -> float:
 
 def rank_memory(step: StepShape, rank: PipelineRank) -> MemoryBreakdown:
     local = rank.local_parameters(step)
-    sharded = local / step.layout.dp
+    sharded = step.sharded(local, rank)
     if step.schedule is not None:
         gathered_blocks = rank.blocks
     else:  # FSDP2's peak, measured: 3 blocks at ZeRO-3; the stage and 2 more blocks' buffers at ZeRO-2

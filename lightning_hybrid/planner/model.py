@@ -45,6 +45,14 @@ class ModelShape:
     whole_parameters_per_block: Optional[int] = None  # left whole by tensor parallelism
     first_stage_parameters: Optional[int] = None  # embeddings
     last_stage_parameters: Optional[int] = None  # final norm and head
+    # mixture of experts: routed experts per MoE block (0: dense), each token's k of them, one expert's MLP width
+    # (default ffn_hidden), how many blocks are MoE (default all; DeepSeek-V3's first 3 of 61 are dense), shared
+    # experts every token goes through; an MoE block holds attention, a router (h·experts), shared and routed experts
+    experts: int = 0
+    experts_per_token: int = 1
+    expert_ffn_hidden: Optional[int] = None
+    moe_layers: Optional[int] = None
+    shared_experts: int = 0
 
     def __post_init__(self) -> None:
         check_positive_values("ModelShape", layers=self.layers, hidden=self.hidden, heads=self.heads,
@@ -57,10 +65,48 @@ class ModelShape:
                              f" by kv_heads ({self.kv_heads}).")
         h, kv_width = self.hidden, self.kv_heads * (self.hidden // self.heads)
         self._default("whole_parameters_per_block", 2 * h)
-        matrices = 2 * h * h + 2 * h * kv_width + (3 if self.gated_mlp else 2) * h * self.ffn_hidden
-        self._default("parameters_per_block", matrices + self.whole_parameters_per_block)
+        self._check_experts()
+        attention = 2 * h * h + 2 * h * kv_width
+        dense = attention + (3 if self.gated_mlp else 2) * h * self.ffn_hidden
+        moe = attention + h * self.experts + (self.experts + self.shared_experts) * self.expert_parameters
+        average = ((self.layers - self.moe_layers) * dense + self.moe_layers * moe) / self.layers
+        self._default("parameters_per_block", round(average) + self.whole_parameters_per_block)
         self._default("first_stage_parameters", self.vocab * h)
         self._default("last_stage_parameters", h + (0 if self.tied_embeddings else self.vocab * h))
+
+    def _check_experts(self) -> None:
+        self._default("expert_ffn_hidden", self.ffn_hidden)
+        self._default("moe_layers", self.layers if self.experts else 0)
+        if self.experts and not 1 <= self.experts_per_token <= self.experts:
+            raise ValueError(f"ModelShape: experts_per_token ({self.experts_per_token}) must be between 1 and experts"
+                             f" ({self.experts}).")
+        if not 0 <= self.moe_layers <= self.layers or (self.moe_layers and not self.experts):
+            raise ValueError(f"ModelShape: moe_layers ({self.moe_layers}) must be at most layers ({self.layers}),"
+                             " and needs experts > 0.")
+
+    @property
+    def expert_parameters(self) -> int:
+        """One expert's parameters (an MLP of ``expert_ffn_hidden``)."""
+        return (3 if self.gated_mlp else 2) * self.hidden * self.expert_ffn_hidden
+
+    @property
+    def routed_parameters_per_block(self) -> float:
+        """The routed experts' parameters, averaged over the blocks (what expert parallelism spreads)."""
+        return self.moe_layers * self.experts * self.expert_parameters / self.layers
+
+    @property
+    def active_parameters_per_block(self) -> float:
+        """Parameters one token computes with per block, averaged over the blocks: the routed experts it is not
+        sent to left out (what FLOPs follow)."""
+        unused = self.moe_layers * (self.experts - self.experts_per_token) * self.expert_parameters / self.layers
+        return self.parameters_per_block - unused
+
+    @property
+    def active_ffn_hidden(self) -> float:
+        """The MLP width a token's activations span per block, averaged: k routed and the shared experts' in MoE
+        blocks."""
+        routed = (self.experts_per_token + self.shared_experts) * self.expert_ffn_hidden
+        return ((self.layers - self.moe_layers) * self.ffn_hidden + self.moe_layers * routed) / self.layers
 
     def _default(self, name: str, value: int) -> None:
         if getattr(self, name) is None:
@@ -97,7 +143,10 @@ class ModelShape:
         first stage) and the rest (last stage). Read from the structure: hidden (first ``nn.Linear`` of a block,
         else the embedding width), vocabulary (widest embedding or linear outside the blocks), ``ffn_hidden`` and
         gating (the block's linears into and out of the MLP), ``kv_heads`` (k/v projections narrower than hidden),
-        tied weights. Heads and sequence length are not in the parameters: pass them."""
+        tied weights, mixtures of experts (stacked 3-D expert weights, or a list of like modules beside a linear
+        router choosing among them: experts, their width, how many blocks hold them; each token's count of experts
+        is not in the parameters and counts as 1). Heads and sequence length are not in the parameters: pass
+        them."""
         missing = [f"{name}= (CLI {flag})" for name, flag, value in (("seq_len", "--seq-len", seq_len),
                                                                       ("heads", "--heads", heads)) if value is None]
         if missing:
@@ -123,8 +172,11 @@ class ModelShape:
         if not widths:
             raise ValueError(f"{type(module).__name__}: no nn.Embedding or nn.Linear outside the blocks to read the"
                              " vocabulary from.")
+        experts, expert_parameters, moe_layers = _experts(block_list)
         return cls(
             layers=len(block_list), hidden=hidden, heads=heads, vocab=max(widths), seq_len=seq_len,
+            experts=experts, moe_layers=moe_layers, expert_ffn_hidden=(
+                max(1, round(expert_parameters / ((3 if gated else 2) * hidden))) if experts else None),
             kv_heads=kv_heads or _kv_heads(block_list[0], hidden, heads), ffn_hidden=ffn_hidden, gated_mlp=gated,
             flash_attention=flash_attention,
             tied_embeddings=len(list(module.named_parameters(remove_duplicate=False))) > len(list(module.parameters())),
@@ -132,6 +184,30 @@ class ModelShape:
             whole_parameters_per_block=sum(p.numel() for p in block_list[0].parameters() if p.dim() < 2),
             first_stage_parameters=embedding_parameters,
             last_stage_parameters=outside_parameters - embedding_parameters)
+
+
+def _experts(blocks: nn.Module) -> tuple[int, float, int]:
+    """(experts per MoE block, parameters per expert, MoE blocks), by structure: a module stacking experts in its
+    3-D weights, or a list of like modules with a linear layer of as many outputs (the router) beside it."""
+    from lightning_hybrid.expert_parallel.stacked import expert_count  # the planner's --help imports no more
+
+    found = []
+    for block in blocks:
+        for module in block.modules():
+            count = expert_count(module)
+            if count:
+                found.append((count, sum(p.numel() for p in module.parameters(recurse=False)) / count))
+                break
+            lists = [child for child in module.children() if isinstance(child, nn.ModuleList) and len(child) > 1
+                     and len({type(m) for m in child}) == 1]
+            routers = {m.out_features for m in module.children() if isinstance(m, nn.Linear)}
+            routed = [child for child in lists if len(child) in routers]
+            if routed:
+                found.append((len(routed[0]), sum(p.numel() for p in routed[0][0].parameters())))
+                break
+    if not found:
+        return 0, 0.0, 0
+    return max(count for count, _ in found), max(size for _, size in found), len(found)
 
 
 def _linears(block: nn.Module) -> list[nn.Linear]:

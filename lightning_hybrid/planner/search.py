@@ -29,8 +29,9 @@ def divisors(n: int) -> list[int]:
 def candidate_layouts(cluster: Cluster, global_batch: int, schedules: Sequence[str] = PLANNED_SCHEDULES,
                       zero_levels: Sequence[int] = (2, 3),
                       checkpointing: Sequence[Union[None, str, int]] = CHECKPOINTING, layers: Optional[int] = None,
-                      options: Optional[Mapping[str, Any]] = None) -> list[Layout]:
-    """Every dp_replicate × dp × tp × pp = GPUs with each ZeRO level and checkpointing choice; with pp > 1, each
+                      options: Optional[Mapping[str, Any]] = None, experts: int = 0) -> list[Layout]:
+    """Every dp_replicate × dp × tp × pp = GPUs with each ZeRO level and checkpointing choice (and, for a model of
+    ``experts`` routed experts, each ep of :func:`expert_degrees`); with pp > 1, each
     schedule with each microbatch count ≥ pp that divides a replica's batch (the default count if none does) and,
     interleaved, 2 virtual stages (and 3 or 4 where they split ``layers`` evenly); with pp = 1, each
     gradient-accumulation count that divides it (1 written as ``microbatches=None``). ``options``: Layout fields
@@ -46,9 +47,16 @@ def candidate_layouts(cluster: Cluster, global_batch: int, schedules: Sequence[s
             variants = pipeline_variants(base, per_replica, schedules, layers)
         else:
             variants = [replace(base, microbatches=k if k > 1 else None) for k in divisors(per_replica) or [1]]
-        layouts += [replace(layout, zero=zero, activation_checkpointing=mode)
-                    for layout in variants for zero in zero_levels for mode in checkpointing]
+        layouts += [replace(layout, zero=zero, activation_checkpointing=mode, ep=ep)
+                    for layout in variants for zero in zero_levels for mode in checkpointing
+                    for ep in expert_degrees(dp, experts)]
     return layouts
+
+
+def expert_degrees(dp: int, experts: int) -> list[int]:
+    """The ep a layout of ``dp`` sharding ranks can take for a model of ``experts`` routed experts per MoE block
+    (none but 1 for a dense model): divisors of both."""
+    return [ep for ep in divisors(dp) if experts % ep == 0] if experts else [1]
 
 
 def pipeline_variants(base: Layout, per_replica_batch: int, schedules: Sequence[str], layers: Optional[int],
@@ -87,7 +95,7 @@ def plan(model: ModelShape, cluster: Cluster, global_batch: int, precision: str 
     check_positive_values("plan", global_batch=global_batch)
     check_model_fits_cluster(model, cluster, precision)
     candidates = candidate_layouts(cluster, global_batch, schedules, zero_levels, checkpointing, model.layers,
-                                   options)
+                                   options, model.experts)
     estimates = [estimate(model, cluster, layout, global_batch, precision) for layout in candidates]
     # At equal predicted time, fewer accumulation steps: smaller microbatches run less efficiently (not modeled);
     # then less recomputation (without the cluster's memory bandwidth selective checkpointing costs no time).

@@ -63,6 +63,7 @@ class StepShape:
     micro_batch: float  # b: sequences per microbatch
     residual_bytes: float  # one b·s·h tensor: a block's input, a pipeline receive buffer
     block_local_parameters: float  # one block's parameters on one tp rank
+    expert_local_parameters: float  # of which routed experts (÷ ep with expert parallelism, whole over tp; else ÷ t)
     vocab_shards: int  # t when the token embedding and head are sharded over the vocabulary, else 1
     fsdp: bool  # HybridStrategy applies FSDP2 (see plan/memory.py)
     fused: bool  # element-wise chains run fused (the model's own kernels, or compile=True)
@@ -71,6 +72,17 @@ class StepShape:
     def tokens(self) -> float:
         """Tokens one data-parallel rank processes per optimizer step."""
         return self.global_batch * self.model.seq_len / (self.layout.dp * self.layout.dp_replicate)
+
+    @property
+    def expert_data_ranks(self) -> int:
+        """The ranks FSDP2 shards each routed expert over: dp ÷ ep (each holds other experts than the rest)."""
+        return max(1, self.layout.dp // self.layout.ep)  # (an ep dp cannot hold is refused: cost.py)
+
+    def sharded(self, local: float, rank: "PipelineRank") -> float:
+        """``local`` parameters of ``rank`` (one tp rank's) after FSDP2's sharding: the dense ones over dp, the
+        rank's routed experts over the ranks holding the same experts."""
+        experts = rank.blocks * self.expert_local_parameters
+        return (local - experts) / self.layout.dp + experts / self.expert_data_ranks
 
     @property
     def all_microbatches(self) -> int:
@@ -84,10 +96,12 @@ def describe_step(model: ModelShape, cluster: Cluster, layout: Layout, schedule:
     m, v = (schedule.microbatches, schedule.virtual_stages) if schedule else (layout.accumulation_steps, 1)
     steps = layout.accumulate if schedule else 1
     micro_batch = global_batch / (layout.dp * layout.dp_replicate * m * steps)
-    whole = model.whole_parameters_per_block
+    whole, routed = model.whole_parameters_per_block, model.routed_parameters_per_block
+    experts = routed / layout.ep if layout.ep > 1 else routed / layout.tp  # expert_step.py: whole over tp under ep
     return StepShape(model, cluster, layout, schedule, bytes_, global_batch, m, steps, v, micro_batch,
                      residual_bytes=micro_batch * model.seq_len * model.hidden * bytes_.compute,
-                     block_local_parameters=(model.parameters_per_block - whole) / layout.tp + whole,
+                     block_local_parameters=(model.parameters_per_block - whole - routed) / layout.tp + whole + experts,
+                     expert_local_parameters=experts,
                      vocab_shards=layout.tp if layout.shard_vocab and model.vocab % layout.tp == 0 else 1,
                      # FSDP2 is left out on one data-parallel rank except for what only it provides (parallelize.py)
                      fsdp=layout.dp * layout.dp_replicate > 1 or precision == "bf16-mixed" or layout.offload,

@@ -17,7 +17,10 @@ ZeRO-2: one per pipeline step with p > 1, where the pipeline keeps the stage gat
 step, m, with p = 1, where FSDP2 reshards after each backward) and reduce-scatters, reduce dtype, (d−1)/d × bytes
 each (one per pipeline step with p > 1, m with p = 1); HSDP adds as many all-reduces of the shards over R; a tied
 table split across stages adds an all-reduce of its gradient between the two stages holding it, per pipeline step.
-``offload=True`` adds the host copies (each gather's shard in, each reduced gradient shard out, over
+Mixtures of experts: FLOPs follow the parameters a token computes with (its k routed experts); expert parallelism
+moves a block's routed experts to units of their own, gathered and reduced over the d/ep ranks holding them
+(ep·t apart), computes them whole on every tp rank, and adds the all-to-all exchanges (:func:`_all_to_all`, exposed
+like TP messages). ``offload=True`` adds the host copies (each gather's shard in, each reduced gradient shard out, over
 ``host_bandwidth``) and runs AdamW on the CPU (``host_memory_bandwidth``). Links: mesh pp × dp_replicate ×
 dp_shard × tp (tp innermost); a dimension uses NVLink iff each of its groups lies in one node. Every message also
 costs the cluster's ``latency`` α: TP one all-reduce per block, pass and microbatch, PP two messages per
@@ -44,6 +47,7 @@ class RankTimes(NamedTuple):
     data: float  # all data-parallel traffic
     exposed: float  # the part of it that shows
     optimizer: float
+    experts: float = 0.0  # expert parallelism's all-to-all exchanges
 
 
 def ring(bytes_moved: float, size: int, bandwidth: float, all_reduce: bool = False) -> float:
@@ -55,9 +59,12 @@ def _compute(step: StepShape, rank: PipelineRank) -> tuple[float, float]:
     """(matmul + memory-bound seconds, memory-bound seconds)."""
     model, cluster, t = step.model, step.cluster, step.layout.tp
     vocab_local = model.vocab / step.vocab_shards
-    block_flops = 2 * model.parameters_per_block + 4 * model.seq_len * model.hidden  # forward, per token
+    routed = model.moe_layers * model.experts_per_token * model.expert_parameters / model.layers  # per token
+    dense_flops = 2 * (model.active_parameters_per_block - routed) + 4 * model.seq_len * model.hidden  # forward
+    # the routed experts' FLOPs are split over tp, or (expert parallelism) computed whole on every tp rank
+    block_flops = dense_flops / t + 2 * routed / (1 if step.layout.ep > 1 else t)
     passes = 3 * rank.blocks + rank.recomputed_blocks
-    flops = step.tokens * (passes * block_flops / t + rank.last * 3 * 2 * vocab_local * model.hidden)
+    flops = step.tokens * (passes * block_flops + rank.last * 3 * 2 * vocab_local * model.hidden)
     matmuls = flops / (cluster.peak_flops * cluster.efficiency)
     if cluster.memory_bandwidth is None:
         return matmuls, 0.0
@@ -97,17 +104,45 @@ def _pipeline(step: StepShape, activation_bytes: float) -> float:
     return 2 * step.virtual_stages * activation_bytes / link + 2 * chunk_microbatches * cluster.latency
 
 
+def _all_to_all(step: StepShape, rank: PipelineRank) -> float:
+    """Expert parallelism: per MoE block and microbatch, each token's k rows sent to their experts' ranks and the
+    results returned, and as much again in backward (a recomputed block repeats its forward's two), of which the
+    (ep − 1)/ep share for other ranks crosses the ep group's links (ep ranks tp apart), balanced routing assumed."""
+    layout, model, cluster = step.layout, step.model, step.cluster
+    if layout.ep == 1 or not model.moe_layers:
+        return 0.0
+    moe_blocks = rank.blocks * model.moe_layers / model.layers
+    exchanges = 4 * moe_blocks + 2 * rank.recomputed_blocks * model.moe_layers / model.layers
+    rows = step.tokens * model.experts_per_token * model.hidden * step.bytes.compute
+    link = cluster.link_bandwidth(layout.ep, layout.tp)
+    return exchanges * (rows * (layout.ep - 1) / layout.ep / link + step.all_microbatches * cluster.latency)
+
+
+def _gathers_and_reductions(step: StepShape, local: float, ranks: int, stride: int, units: int) -> tuple[float, float]:
+    """Seconds of FSDP2's all-gathers and reduce-scatters of ``local`` parameters over ``ranks`` ``stride`` apart."""
+    layout, sizes, cluster = step.layout, step.bytes, step.cluster
+    link, alpha = cluster.link_bandwidth(ranks, stride), cluster.latency
+    syncs = step.microbatches if layout.pp == 1 else step.pipeline_steps  # FSDP2 per accumulation step; pipeline per step
+    gather_passes = 2 * step.all_microbatches if layout.zero == 3 else syncs
+    gathers = gather_passes * (ring(local * sizes.compute, ranks, link) + (units * alpha if ranks > 1 else 0.0))
+    reductions = syncs * (ring(local * sizes.reduce, ranks, link) + (units * alpha if ranks > 1 else 0.0))
+    return gathers, reductions
+
+
 def _data_parallel(step: StepShape, rank: PipelineRank, compute: float) -> tuple[float, float]:
     """(all data-parallel traffic, the exposed part) in seconds."""
     cluster, layout, sizes = step.cluster, step.layout, step.bytes
     d, r, t, p = layout.dp, layout.dp_replicate, layout.tp, layout.pp
-    local, dp_link, alpha = rank.local_parameters(step), cluster.link_bandwidth(d, t), cluster.latency
+    local, alpha = rank.local_parameters(step), cluster.latency
     syncs = step.microbatches if p == 1 else step.pipeline_steps  # FSDP2 per accumulation step; pipeline per step
     gather_passes = 2 * step.all_microbatches if layout.zero == 3 else syncs
     units = rank.blocks + 1  # FSDP2 communicates per unit: each block, and the root's own parameters
-    gathers = gather_passes * (ring(local * sizes.compute, d, dp_link) + (units * alpha if d > 1 else 0.0))
-    reductions = syncs * (ring(local * sizes.reduce, d, dp_link) + (units * alpha if d > 1 else 0.0))
-    reductions += syncs * (ring(local / d * sizes.reduce, r, cluster.link_bandwidth(r, d * t), True)
+    experts = rank.blocks * step.expert_local_parameters if layout.ep > 1 else 0.0  # their own units, over d/ep
+    gathers, reductions = _gathers_and_reductions(step, local - experts, d, t, units)
+    if experts:
+        more = _gathers_and_reductions(step, experts, step.expert_data_ranks, t * layout.ep, rank.blocks)
+        gathers, reductions = gathers + more[0], reductions + more[1]
+    reductions += syncs * (ring(step.sharded(local, rank) * sizes.reduce, r, cluster.link_bandwidth(r, d * t), True)
                            + (units * alpha if r > 1 else 0.0))
     if step.model.tied_embeddings and p > 1 and (rank.first or rank.last):  # the two copies' gradients summed
         table = min(step.model.vocab * step.model.hidden, step.model.first_stage_parameters) / step.vocab_shards
@@ -128,7 +163,7 @@ def _optimizer(step: StepShape, rank: PipelineRank) -> float:
     bandwidth = cluster.host_memory_bandwidth if step.layout.offload else cluster.memory_bandwidth
     if bandwidth is None:
         return 0.0
-    return optimizer_bytes(rank.local_parameters(step) / step.layout.dp, step.bytes) / bandwidth
+    return optimizer_bytes(step.sharded(rank.local_parameters(step), rank), step.bytes) / bandwidth
 
 
 def rank_times(step: StepShape, rank: PipelineRank) -> RankTimes:
@@ -138,4 +173,4 @@ def rank_times(step: StepShape, rank: PipelineRank) -> RankTimes:
     compute, memory_bound = _compute(step, rank)
     data, exposed = _data_parallel(step, rank, compute)
     return RankTimes(compute, memory_bound, _tensor_parallel(step, rank, activation_bytes),
-                     _pipeline(step, activation_bytes), data, exposed, _optimizer(step, rank))
+                     _pipeline(step, activation_bytes), data, exposed, _optimizer(step, rank), _all_to_all(step, rank))

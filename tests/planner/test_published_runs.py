@@ -44,3 +44,18 @@ A100_AS_PUBLISHED = [run for run in A100_RUNS if not (run.checkpointing == "sele
 def test_torchtitans_fsdp2_throughput_on_a100s_is_predicted_within_15_percent(run: Run) -> None:
     result = predict_torchtitan(run, a100(run))
     assert result.feasible and 0.85 <= tokens_per_gpu(run, result) / run.published <= 1.15
+
+
+def test_a_published_moe_run_is_priced_with_its_all_to_all_where_hybrid_strategy_places_it() -> None:
+    """Qwen3-235B-A22B on 256 H100s (benchmarks/planner_moe.py): the published degrees (ep 8 × tp 2) span two nodes
+    in HybridStrategy's mesh, so their all-to-all crosses InfiniBand; ep 8 without tp stays in a node. The compute
+    term for the published work is below the published step, which also holds what the planner does not price."""
+    from benchmarks.planner_moe import PUBLISHED_STEP_S, QWEN3_235B, predict
+
+    assert QWEN3_235B.total_parameters == pytest.approx(235.1e9, rel=1e-3)
+    active = QWEN3_235B.layers * QWEN3_235B.active_parameters_per_block + QWEN3_235B.outside_block_parameters
+    assert active == pytest.approx(22.2e9, rel=0.01)  # "A22B"
+    across, within = predict("dp128 tp2 ep8 acc4 z3 ac"), predict("dp256 tp1 ep8 acc2 z3 ac")
+    assert across.feasible and within.feasible
+    assert across.time.experts > 10 * within.time.experts  # 50 GB/s between nodes, 450 GB/s inside one
+    assert 0.5 * PUBLISHED_STEP_S < within.time.compute < PUBLISHED_STEP_S
