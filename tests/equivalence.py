@@ -229,7 +229,7 @@ class RecordCallback(pl.Callback):
 
     def _record_metrics(self, trainer: pl.Trainer, when: str) -> None:
         for name, value in trainer.callback_metrics.items():
-            if name.endswith(("_acc", "_acc_step", "_acc_epoch")):
+            if name.endswith(("_acc", "_acc_step", "_acc_epoch", "aux_loss")):
                 self.metric_values.setdefault(f"{when}:{name}", []).append(self._scalar(value))
 
 

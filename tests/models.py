@@ -509,6 +509,9 @@ class LMLightningModule(pl.LightningModule):
 
     def forward(self, idx: Tensor) -> Tensor:
         output = self.model(idx)
+        # A mixture of experts asked for its router logits (``output_router_logits=True``) returns its load-balancing
+        # loss beside the logits: the step adds it, weighted as the model's own loss would.
+        self._aux_loss = getattr(output, "aux_loss", None)
         return getattr(output, "logits", output)  # Hugging Face models return an output object
 
     def _loss(self, batch: tuple[Tensor, Tensor], accuracy: Any = None, name: str = "") -> Tensor:
@@ -519,7 +522,12 @@ class LMLightningModule(pl.LightningModule):
             self.log(name, accuracy, on_step=name.startswith("train"), on_epoch=True)
         # Mean over all B*T tokens of this rank's batch. Every data-parallel rank has the same batch size, so
         # the mean over ranks equals the mean over the global batch (what a single process computes).
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        aux, self._aux_loss = getattr(self, "_aux_loss", None), None
+        if aux is None:
+            return loss
+        self.log("aux_loss", aux.detach(), sync_dist=True)
+        return loss + self.model.config.router_aux_loss_coef * aux
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch, getattr(self, "train_acc", None), "train_acc")

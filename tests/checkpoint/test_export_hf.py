@@ -224,3 +224,16 @@ def test_export_streams_one_shard_at_a_time(tmp_path: Path) -> None:
           f" ({files} files), {whole / 2**20:.1f} MiB in one")
     assert streamed < 0.4 * model_bytes
     assert whole > model_bytes  # the measurement sees a model that is held whole
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_exports_every_expert_under_its_unmodified_name(tmp_path: Path) -> None:
+    """Saved under ep=2 (each rank holding half of every layer's stacked experts): the exported directory holds the
+    4 experts of each layer in one tensor, as ``save_pretrained`` writes them, and ``from_pretrained`` loads them."""
+    run_script(["--model", "hf_mixtral", "--dp", 2, "--devices", 2, "--steps", 4, "--strategy-kwargs", '{"ep": 2}',
+                "--checkpoint-dir", tmp_path / "checkpoints", "--out", tmp_path / "run.pt"])
+    checkpoint = tmp_path / "checkpoints" / "epoch=0-step=4.ckpt"
+    done = _export_command(checkpoint, tmp_path / "hf", "--hf")
+    assert done.returncode == 0, done.stderr
+    loaded = _assert_loads_bit_for_bit(tmp_path / "hf", checkpoint, build_module("hf_mixtral"))
+    assert loaded.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 128, 32)

@@ -16,13 +16,23 @@ pytestmark = pytest.mark.slow
 
 #: Qwen3-MoE with its first and third blocks dense (``mlp_only_layers``): blocks of two structures, one with experts.
 QWEN3_DENSE_FIRST = {"model": "hf_qwen3_moe", "module": {"config": {"mlp_only_layers": [0, 2]}}}
+#: DeepSeek-V3 routing by groups: each token's experts chosen among the best of 2 groups of 2 (``n_group``,
+#: ``topk_group``) after the correction bias is added to the scores.
+DEEPSEEK_GROUPED = {"model": "hf_deepseek_v3", "module": {"config": {"n_group": 2, "topk_group": 1}}}
 #: One launch on four ranks: the model entry, the strategy's degrees.
 ENTRIES = [
     ({"model": "hf_mixtral"}, {"ep": 4}),
     ({"model": "mixed_moe"}, {"ep": 4}),
     (QWEN3_DENSE_FIRST, {"ep": 2}),                                  # dp 4 = 2 ranks per expert × ep 2
-    ({"model": "hf_deepseek_v3"}, {"dp": 2, "dp_replicate": 2, "ep": 2}),   # HSDP
+    (DEEPSEEK_GROUPED, {"dp": 2, "dp_replicate": 2, "ep": 2}),           # HSDP
 ]
+
+
+#: Mixtral with its load-balancing loss added to the step's (``output_router_logits``), logged as ``aux_loss``. That
+#: loss couples a rank's tokens (the share each expert gets of them), so a data-parallel run averages the ranks'
+#: losses where one device computes one over the whole batch: the same layout without ep is its reference.
+MIXTRAL_AUX = {"model": "hf_mixtral", "module": {"config": {"output_router_logits": True}}}
+AUX_ENTRIES = [{**MIXTRAL_AUX, "ep": 4}, {**MIXTRAL_AUX, "ep": 1}]
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +41,23 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     references = run_sweep(["--reference", "--dp", 4, "--devices", 1, *SHORT_RUN, "--out", folder / "ref.pt"],
                            [model for model, _ in ENTRIES])
     runs = run_sweep(["--dp", 4, "--devices", 4, *SHORT_RUN, "--tensorboard", folder / "tb", "--out", folder / "run.pt"],
-                     [{**model, **degrees} for model, degrees in ENTRIES])
-    return {"references": references, "runs": runs, "tensorboard": folder / "tb"}
+                     [{**model, **degrees} for model, degrees in ENTRIES] + AUX_ENTRIES)
+    return {"references": references, "runs": runs[:len(ENTRIES)], "aux": runs[len(ENTRIES):],
+            "tensorboard": folder / "tb"}
 
 
 @pytest.mark.parametrize("index", range(len(ENTRIES)), ids=[f"{m['model']}-{d}" for m, d in ENTRIES])
 def test_expert_parallel_training_equals_one_device(index: int, four_ranks: dict) -> None:
     assert_equivalent(four_ranks["references"][index], four_ranks["runs"][index], rtol=1e-5)
+
+
+def test_the_load_balancing_loss_is_the_routers_own(four_ranks: dict) -> None:
+    """Mixtral's auxiliary loss in the step: under ep 4 the losses (auxiliary included), the logged ``aux_loss`` and
+    every parameter equal the same data-parallel run without ep; the loss is no constant."""
+    spread, whole = four_ranks["aux"]
+    assert_equivalent(whole, spread, rtol=1e-5)  # the metric values compared include step:aux_loss
+    logged = spread["metric_values"]["step:aux_loss"]
+    assert len(logged) >= 4 and len(set(logged)) > 1 and all(1.0 < value < 4.0 for value in logged)
 
 
 def test_tensorboard_shows_tokens_per_expert_imbalance_and_all_to_all_traffic(four_ranks: dict) -> None:
