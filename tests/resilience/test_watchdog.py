@@ -235,9 +235,13 @@ def test_a_rank_stopped_mid_save_is_named_and_the_job_ends_within_the_bound(tmp_
     assert exited - stopped_at < TIMEOUT + 10  # a beat interval, the exit and two shared cores' scheduling
     assert rank0.count("[lightning-hybrid watchdog]") == 1
     assert "[lightning-hybrid watchdog] rank 0: rank(s) 1 stopped sending heartbeats" in rank0
-    # As of rank 1's last beat (one per second here), at most one second before it stopped at step 8.
-    step = int(re.search(r"rank 1: [\d.]+ s, last reported (?:train|validation) batch end at step (\d+)", rank0)[1])
-    assert 4 <= step <= 8
+    # As of rank 1's last beat (one per second here), at most one second before it stopped at step 8: a step it had
+    # reached by then. (Which one depends on how many of these tiny steps and saves fit in that second: 0 to 8 were
+    # all seen on 2 shared cores.)
+    found = re.search(r"rank 1: ([\d.]+) s, last reported (?:train|validation) batch end at step (\d+) \((\d+) batches",
+                      rank0)
+    seconds, step, batches = float(found[1]), int(found[2]), int(found[3])
+    assert 0 <= step <= 8 and batches >= 1 and seconds >= TIMEOUT
     # The save in progress was never published; the earlier ones are complete and load.
     published = ["epoch=0-step=4.ckpt", "last.ckpt"]
     assert sorted(p.name for p in folder.iterdir()) == sorted([*published, "epoch=1-step=8.ckpt.partial"])
