@@ -28,14 +28,18 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import functools
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Sequence
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_hybrid._compat import existing_ops
 from lightning_hybrid.options.recompute import CheckpointPlan
+from lightning_hybrid.probe.blocks import BlockList, block_structures
+from lightning_hybrid.probe.record import BlockCall, block_call
 
 #: Operations whose outputs selective checkpointing keeps: the expensive ones to recompute (matmuls, attention)
 #: and collectives, whose recompute would add communication to backward. Attention kernels and functional
@@ -88,6 +92,58 @@ def _checkpointed_class(cls: type, selective: bool) -> type:
         prefix = "SelectiveCheckpointed" if selective else "Checkpointed"
         _CHECKPOINTED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
     return _CHECKPOINTED_CLASSES[key]
+
+
+def refuse_updated_arguments(blocks: BlockList, block_calls: Mapping[int, BlockCall], indices: Sequence[int],
+                             plan: CheckpointPlan) -> None:
+    """Refuse, before training, to checkpoint a block whose forward updates an object it is handed (a key/value
+    cache it appends to): the recomputed forward in backward would get it updated and compute something else (a
+    Hugging Face decoder built with ``use_cache=True`` failed in its first backward with a shape error)."""
+    for structure in block_structures(blocks):
+        covered = [i for i in structure if i in indices and plan.covers(i)]
+        if not covered or structure[0] not in block_calls:
+            continue
+        updated = _updated_arguments(blocks[covered[0]], block_call(block_calls, structure[0]))
+        if updated:
+            raise ValueError(
+                f"HybridStrategy(activation_checkpointing=...): '{blocks.name(covered[0])}' updates the argument"
+                f" {' and '.join(repr(name) for name in updated)} it is called with (a key/value cache), so its"
+                " recomputed forward would not compute what its forward did. Train without the cache (Hugging Face:"
+                " config.use_cache = False) or without activation_checkpointing.")
+
+
+def _updated_arguments(block: nn.Module, call: BlockCall) -> list[str]:
+    """The block's arguments that are objects (not tensors or plain containers of them) whose tensors one forward
+    adds or reshapes."""
+    args, kwargs = call
+    named = {**{f"argument {i}": v for i, v in enumerate(args)}, **kwargs}
+    held = {name: value for name, value in named.items() if _holds_tensors(value)}
+    if not held or any(p.is_meta for p in block.parameters()):
+        return []
+    before = copy.deepcopy((args, kwargs))
+    shapes = {name: _shapes(value) for name, value in held.items()}
+    with torch.no_grad():
+        block(*before[0], **before[1])
+    after = {**{f"argument {i}": v for i, v in enumerate(before[0])}, **before[1]}
+    return [name for name in held if _shapes(after[name]) != shapes[name]]
+
+
+def _holds_tensors(value: Any) -> bool:
+    """An object that may hold tensors in its attributes (a cache, empty before the first block fills it)."""
+    return hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, nn.Module, type))
+
+
+def _shapes(value: Any, depth: int = 3) -> tuple:
+    """Shapes of the tensors an object holds in its attributes (and lists of objects), a few levels deep."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape),)
+    if depth == 0:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(shape for item in value for shape in _shapes(item, depth - 1))
+    if hasattr(value, "__dict__") and not isinstance(value, nn.Module):
+        return tuple(shape for item in vars(value).values() for shape in _shapes(item, depth - 1))
+    return ()
 
 
 def _keep_expensive_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -62,7 +62,7 @@ from lightning_hybrid.checkpoint.hf_load import load_pretrained, loaded_names
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims
 from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.options.recompute import CheckpointPlan
-from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing, refuse_updated_arguments
 from lightning_hybrid.probe.blocks import BlockList, find_block_list
 from lightning_hybrid.probe.step_probe import StepProbe
 from lightning_hybrid.parallel.compile import compile_blocks
@@ -120,7 +120,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
                                                   device.type)
     # 3. activation checkpointing
     if options.checkpointing is not None:
-        apply_checkpointing(blocks, owned, options.checkpointing)
+        apply_checkpointing(blocks, owned, options.checkpointing, probe)
     # 4. torch.compile per block
     if options.compile_arguments is not None:
         check_compile_layout(options, dims.tp, fsdp_applies(dims, options, precision))
@@ -265,8 +265,12 @@ def apply_pipeline_split(module: nn.Module, blocks_path: str, blocks: BlockList,
     return pipeline
 
 
-def apply_checkpointing(blocks: BlockList, owned: Sequence[int], plan: CheckpointPlan) -> None:
-    """Checkpoint the blocks of ``owned`` that ``plan`` covers (indices over the whole model)."""
+def apply_checkpointing(blocks: BlockList, owned: Sequence[int], plan: CheckpointPlan,
+                        probe: Optional[StepProbe] = None) -> None:
+    """Checkpoint the blocks of ``owned`` that ``plan`` covers (indices over the whole model); a block that updates
+    what it is handed (a key/value cache) is refused (:func:`refuse_updated_arguments`, on the probe's record)."""
+    if probe is not None and probe.can_run_on:
+        refuse_updated_arguments(blocks, probe.record().block_calls, owned, plan)
     count = apply_activation_checkpointing(((i, blocks[i]) for i in owned), plan)
     rank_zero_info(f"HybridStrategy: activation checkpointing {plan} on {count} blocks")
 

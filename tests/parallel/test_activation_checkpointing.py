@@ -17,7 +17,7 @@ from lightning_hybrid.parallel.activation_checkpointing import apply_activation_
 from tests.conftest import META_INIT_LAYERS, ReferenceFn
 from tests.equivalence import ACCUMULATE_GRAD_BATCHES
 from tests.helpers import SHORT_STEPS
-from tests.models import GPTConfig, TinyGPT
+from tests.models import GPTConfig, TinyGPT, build_module
 
 #: Micro-batches of the meta-init runs (the short run): its optimizer steps × equivalence.py's accumulation.
 ACCUMULATED_MICROBATCHES = SHORT_STEPS * ACCUMULATE_GRAD_BATCHES
@@ -136,3 +136,23 @@ def test_selective_checkpointing_is_refused_with_zero_bubble_schedules() -> None
         HybridStrategy(pp=2, pp_schedule="zbv_zero_bubble", activation_checkpointing="selective")
     with pytest.warns(UserWarning, match="recomputes a checkpointed block once per weight-gradient pass"):
         HybridStrategy(pp=2, pp_schedule="interleaved_zero_bubble", activation_checkpointing="every")
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_block_updating_a_cache_it_is_handed_is_refused_before_training(use_cache: bool) -> None:
+    """A Hugging Face decoder built with ``use_cache=True`` appends to its key/value cache in every block's forward:
+    checkpointed, the recomputed forward would see the cache grown (it failed in the first backward with a shape
+    error). Refused at setup with the fix; without the cache the blocks are checkpointed."""
+    from lightning_hybrid.parallel.activation_checkpointing import refuse_updated_arguments
+    from lightning_hybrid.probe.blocks import find_block_list
+    from lightning_hybrid.probe.record import record_step
+
+    module = build_module("hf_qwen2", config={"use_cache": use_cache})
+    _, blocks = find_block_list(module)
+    calls = record_step(module, blocks, lambda: module(torch.randint(0, 64, (2, 16)))).block_calls
+    if not use_cache:
+        refuse_updated_arguments(blocks, calls, range(len(blocks)), CheckpointPlan(1))
+        return
+    with pytest.raises(ValueError, match=r"'model\.model\.layers\.0' updates the argument 'cache' it is called with \(a"
+                                         r" key/value cache\).*config\.use_cache = False\) or without"):
+        refuse_updated_arguments(blocks, calls, range(len(blocks)), CheckpointPlan(1))
