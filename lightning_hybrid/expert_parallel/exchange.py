@@ -3,8 +3,9 @@
 A layer's ``E`` experts are spread over the ``N`` ranks of its :class:`ExpertGroup`, ``E / N`` consecutive experts
 each. :func:`send_rows` sends rows (one per token and chosen expert, sorted by expert, so grouped by the rank holding
 it) to their ranks and returns the rows received, grouped by sender; :func:`return_rows` sends the results back the
-same way. Both are differentiable (the backward sends gradients back the way the rows came). Every rank of the
-group must call them in the same order, with counts that may differ (and be zero) per rank.
+same way. Both are differentiable (the backward sends gradients back the way the rows came), and a rank's rows for
+its own experts stay out of the collective (they cross no link). Every rank of the group must call them in the same
+order, with counts that may differ (and be zero) per rank.
 
 :class:`ExchangeStats` keeps what one layer moved since it was last read: tokens routed to each expert (this rank's
 tokens, by the model's own router), rows and bytes sent, seconds in the exchange; the monitor reads and resets them.
@@ -91,7 +92,7 @@ def send_rows(rows: Tensor, per_rank: list[int], group: ExpertGroup, counted: bo
     validation)."""
     start = time.perf_counter()
     received_counts = group.counts_from_each(torch.tensor(per_rank, dtype=torch.long, device=rows.device)).tolist()
-    received = all_to_all_autograd(rows, received_counts, per_rank, group.mesh.get_group())
+    received = _all_to_all(rows, received_counts, per_rank, group)
     if counted:
         _count(group, rows, per_rank, start)
     return received, received_counts
@@ -102,10 +103,23 @@ def return_rows(results: Tensor, per_rank: list[int], received_per_rank: list[in
     """The results for the rows :func:`send_rows` received sent back; returns this rank's rows' results, in the
     order its rows were sent."""
     start = time.perf_counter()
-    back = all_to_all_autograd(results, per_rank, received_per_rank, group.mesh.get_group())
+    back = _all_to_all(results, per_rank, received_per_rank, group)
     if counted:
         _count(group, results, received_per_rank, start)
     return back
+
+
+def _all_to_all(rows: Tensor, received_per_rank: list[int], per_rank: list[int], group: ExpertGroup) -> Tensor:
+    """The all-to-all with this rank's own segment kept out of the collective (copied in place: it crosses no
+    link), so the collective moves only what other ranks need."""
+    me = group.rank
+    start, stop = sum(per_rank[:me]), sum(per_rank[:me + 1])
+    others = torch.cat([rows[:start], rows[stop:]])
+    sent, received = list(per_rank), list(received_per_rank)
+    sent[me] = received[me] = 0
+    got = all_to_all_autograd(others, received, sent, group.mesh.get_group())
+    at = sum(received_per_rank[:me])
+    return torch.cat([got[:at], rows[start:stop], got[at:]])
 
 
 def _count(group: ExpertGroup, sent: Tensor, per_rank: list[int], start: float) -> None:
