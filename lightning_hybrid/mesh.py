@@ -38,11 +38,17 @@ MESH_DIMS = (PIPELINE, DATA_REPLICATE, DATA_SHARD, TENSOR)
 EXPERT_DATA = "efsdp"
 EXPERT = "ep"
 EXPERT_MESH_DIMS = (PIPELINE, DATA_REPLICATE, EXPERT_DATA, EXPERT, TENSOR)
+#: Context parallelism splits each data-shard group the same way: ``dp_shard = dp × cp``, cp innermost. FSDP2 shards
+#: and averages over all of ``dp_shard`` (torchtitan folds cp into its FSDP mesh), while the ranks of one ``cp``
+#: group read the same samples, each computing its part of the sequence.
+CONTEXT_DATA = "dp_batch"
+CONTEXT = "cp"
+CONTEXT_MESH_DIMS = (PIPELINE, DATA_REPLICATE, CONTEXT_DATA, CONTEXT, TENSOR)
 #: The meshes built in this process: ``(device type, sizes) → (default group, mesh, data mesh)``. A later trainer
 #: call (fit, then test or predict) or another strategy with the same layout reuses them instead of making a new set
 #: of process groups, whose threads would stay for the life of the process (a 13-model sweep on 4 CPU ranks slowed
 #: from 9 s to 120 s per model); torch's DTensor caches treat meshes of one layout as one anyway.
-_BUILT: dict[tuple[str, tuple[int, ...]], tuple] = {}
+_BUILT: dict[tuple[str, tuple], tuple] = {}
 #: The two data-parallel dimensions; FSDP2 shards over the last one and replicates over the first (HSDP).
 DATA_DIMS = (DATA_REPLICATE, DATA_SHARD)
 #: Lightning's names (``ModelParallelStrategy``): all data-parallel ranks, and the tensor-parallel ranks.
@@ -61,8 +67,10 @@ class ParallelDims:
         tp: Tensor-parallel degree.
         pp: Pipeline-parallel degree.
         dp_replicate: Number of data-parallel replicas of the sharded model (HSDP when > 1).
-        ep: Expert-parallel degree: each mixture-of-experts layer's experts spread over ``ep`` of the ``dp``
-            sharding ranks (it must divide ``dp``); see :meth:`build_expert_mesh`.
+        ep: Expert-parallel degree: each mixture-of-experts layer's experts spread over ``ep`` of the ``dp × cp``
+            sharding ranks (it must divide ``dp × cp``); see :meth:`build_expert_mesh`.
+        cp: Context-parallel degree: each sample's sequence split over ``cp`` ranks that read the same samples; the
+            mesh's ``dp_shard`` dimension holds ``dp × cp`` ranks (see :meth:`build_context_mesh`).
     """
 
     world_size: int
@@ -71,49 +79,59 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         check_degrees(self.dp, self.tp, self.pp, self.dp_replicate)
-        fixed = self.tp * self.pp * self.dp_replicate
+        fixed = self.tp * self.pp * self.dp_replicate * self.cp
+        cp_words = f" × cp={self.cp}" if self.cp > 1 else ""
         if self.dp == AUTO:
             if self.world_size % fixed:
                 raise ValueError(
-                    f"tp={self.tp} × pp={self.pp} × dp_replicate={self.dp_replicate} = {fixed} does not divide the"
-                    f" world size {self.world_size} (devices × num_nodes). Choose degrees whose product divides it."
+                    f"tp={self.tp} × pp={self.pp} × dp_replicate={self.dp_replicate}{cp_words} = {fixed} does not"
+                    f" divide the world size {self.world_size} (devices × num_nodes). Choose degrees whose product"
+                    " divides it."
                 )
             self.dp = self.world_size // fixed
         if fixed * self.dp != self.world_size:
             raise ValueError(
-                f"dp={self.dp} × tp={self.tp} × pp={self.pp} × dp_replicate={self.dp_replicate} ="
+                f"dp={self.dp} × tp={self.tp} × pp={self.pp} × dp_replicate={self.dp_replicate}{cp_words} ="
                 f" {fixed * self.dp}, but the world size (devices × num_nodes) is {self.world_size}."
                 f" Make the product equal the world size, or pass dp='auto'."
             )
-        if self.dp % self.ep:
-            valid = [size for size in range(1, self.dp + 1) if self.dp % size == 0]
+        shards = self.dp * self.cp
+        if shards % self.ep:
+            valid = [size for size in range(1, shards + 1) if shards % size == 0]
             raise ValueError(
-                f"HybridStrategy(ep={self.ep}) spreads experts over data-parallel sharding ranks, but dp={self.dp}"
-                f" (per pipeline stage and replica) is not a multiple of it. Pass an ep that divides {self.dp}:"
-                f" {valid}, or more devices."
+                f"HybridStrategy(ep={self.ep}) spreads experts over data-parallel sharding ranks, but dp × cp ="
+                f" {shards} (per pipeline stage and replica) is not a multiple of it. Pass an ep that divides"
+                f" {shards}: {valid}, or more devices."
             )
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Size of every mesh dimension, keyed by its name, outermost first."""
+        """Size of every mesh dimension, keyed by its name, outermost first (``dp_shard``: ``dp × cp`` ranks)."""
         assert isinstance(self.dp, int)
-        return {PIPELINE: self.pp, DATA_REPLICATE: self.dp_replicate, DATA_SHARD: self.dp, TENSOR: self.tp}
+        return {PIPELINE: self.pp, DATA_REPLICATE: self.dp_replicate, DATA_SHARD: self.dp * self.cp, TENSOR: self.tp}
 
     @property
     def data_parallel_size(self) -> int:
-        """Number of distinct batches processed per step (replicas × shards)."""
+        """Number of distinct batches processed per step (replicas × shards; a cp group reads one batch)."""
         assert isinstance(self.dp, int)
         return self.dp * self.dp_replicate
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks of one stage and tensor rank whose gradients are averaged (``dp_replicate × dp × cp``): FSDP2's
+        data mesh. Context parallelism scales its ranks' gradients so that their mean is the whole sequence's."""
+        return self.data_parallel_size * self.cp
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
         """Create the 4-D mesh (all dimensions kept, size-1 ones included, so names are always valid) and the
         flattened data-parallel mesh ``dp`` (replicas × shards: one group for the sampler and metric reduction),
         or return the ones built earlier in this process for the same sizes and default process group.
         """
-        key = (device_type, tuple(self.sizes.values()))
+        key = (device_type, (*self.sizes.values(), self.cp))
         if key not in _BUILT or _BUILT[key][0] is not dist.group.WORLD:
             _BUILT[key] = (dist.group.WORLD, *self._new_mesh(device_type))
         _, mesh, data_mesh = _BUILT[key]
@@ -125,15 +143,29 @@ class ParallelDims:
         tensor rank and replica); its ``ep`` dimension spreads the experts, ``efsdp`` (with ``dp_replicate``) shards
         and averages each expert's weights. Built once per process and layout."""
         assert isinstance(self.dp, int)
-        sizes = (self.pp, self.dp_replicate, self.dp // self.ep, self.ep, self.tp)
-        key = (device_type, sizes)
+        sizes = (self.pp, self.dp_replicate, self.dp * self.cp // self.ep, self.ep, self.tp)
+        key = (device_type, (EXPERT, *sizes))
         if key not in _BUILT or _BUILT[key][0] is not dist.group.WORLD:
             _BUILT[key] = (dist.group.WORLD, init_device_mesh(device_type, sizes, mesh_dim_names=EXPERT_MESH_DIMS))
         return _BUILT[key][1]
 
+    def build_context_mesh(self, device_type: str) -> DeviceMesh:
+        """The 5-D mesh ``pp × dp_replicate × dp_batch × cp × tp`` over the same ranks as :meth:`build_mesh`'s
+        (``dp_shard = dp_batch × cp``, cp innermost: a cp group are neighbours of one stage, tensor rank and
+        replica); its ``cp`` dimension splits the sequence, ``dp_replicate × dp_batch`` reads distinct batches."""
+        assert isinstance(self.dp, int)
+        sizes = (self.pp, self.dp_replicate, self.dp, self.cp, self.tp)
+        key = (device_type, (CONTEXT, *sizes))
+        if key not in _BUILT or _BUILT[key][0] is not dist.group.WORLD:
+            _BUILT[key] = (dist.group.WORLD, init_device_mesh(device_type, sizes, mesh_dim_names=CONTEXT_MESH_DIMS))
+        return _BUILT[key][1]
+
     def _new_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
         mesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=MESH_DIMS)
-        data_mesh = flatten_mesh(mesh[DATA_DIMS], "dp")
+        if self.cp > 1:  # the sampler's ranks: one per cp group
+            data_mesh = flatten_mesh(self.build_context_mesh(device_type)[(DATA_REPLICATE, CONTEXT_DATA)], "dp")
+        else:
+            data_mesh = flatten_mesh(mesh[DATA_DIMS], "dp")
         # Gradient norms of tensor-parallel parameters are partial over data and tensor ranks at once; with these
         # dimensions flattened DTensor reduces them in one all-reduce instead of one per dimension (which may
         # also round differently on different ranks).

@@ -48,7 +48,7 @@ from lightning_hybrid.options.recompute import CheckpointPlan
 from lightning_hybrid.options.schedules import PipelineSchedule
 from lightning_hybrid.expert_parallel.apply import AppliedExperts
 from lightning_hybrid.parallel.fsdp import buffers_to_device
-from lightning_hybrid.parallel.parallelize import AppliedPlan, accept_user_parallelism, find_blocks, parallelize, recording_construction
+from lightning_hybrid.parallel.parallelize import AppliedPlan, find_blocks, parallelize, recording_construction
 from lightning_hybrid.pipeline.metric_calls import sync_over
 from lightning_hybrid.pipeline.runtime import Pipeline
 from lightning_hybrid.planner.auto_layout import adopt_layout, choose_for_run
@@ -157,8 +157,7 @@ class HybridStrategy(ModelParallelStrategy):
         if self.options.chooses_layout:
             self.options.check_fixed_degrees_divide(world_size, self.num_nodes, self.num_processes)
         # With tp/pp="auto" these are Lightning's degrees, for configure_model; the layout is chosen at setup.
-        degrees = model_parallel_compat.mesh_degrees(self.options, world_size, self.num_processes)
-        self.dims = ParallelDims(world_size=world_size, **degrees)
+        self.dims = ParallelDims(world_size, **model_parallel_compat.mesh_degrees(self.options, world_size, self.num_processes))
 
     @override
     def setup_environment(self) -> None:
@@ -217,7 +216,7 @@ class HybridStrategy(ModelParallelStrategy):
             _compat.publish_device_mesh(self, self.lightning_module, self.device_mesh)
         elif model_parallel_compat.parallelizes_itself(self.model, read_mesh, self.data_mesh.size()):
             self.options = model_parallel_compat.keep_given_degrees(self.options, self.dims)
-            accept_user_parallelism(self.model, self.options, self.root_device)
+            model_parallel_compat.accept_user_parallelism(self.model, self.options, self.root_device)
             self.precision_plugin.convert_module(self.model)
         else:
             self._parallelize(trainer)
@@ -256,7 +255,8 @@ class HybridStrategy(ModelParallelStrategy):
             accumulation=trainer.accumulate_grad_batches)
         rank_zero_info(f"HybridStrategy(tp={self.options.tp!r}, pp={self.options.pp!r}) {self.layout_note}")
         self.options = adopt_layout(self.options, self.layout_estimate.layout)
-        self.dims = ParallelDims(world_size=self.world_size, **self.options.degrees, ep=self.options.ep)
+        self.dims = ParallelDims(world_size=self.world_size, **model_parallel_compat.mesh_degrees(
+            self.options, self.world_size, self.num_processes))
         self._build_mesh()
 
     @override

@@ -437,6 +437,9 @@ class LMLightningModule(pl.LightningModule):
             data parallelism), the other path through Lightning's result collection.
         freeze: Name prefixes (relative to the built model, e.g. ``"blocks.0"``) of parameters built with
             ``requires_grad=False``: fine-tuning part of a model, or a pipeline stage without any gradient.
+        left_padding: Treat each sample's first ``tokens[0] % 4`` positions as left padding (a Hugging Face model):
+            ``attention_mask`` passed to the model, the padded targets ignored by the loss (its mean over the
+            remaining tokens), as a padded batch of unequal lengths.
     """
 
     def __init__(
@@ -454,6 +457,7 @@ class LMLightningModule(pl.LightningModule):
         compile_blocks: bool = False,
         sync_loss: bool = True,
         freeze: tuple[str, ...] = (),
+        left_padding: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -507,8 +511,14 @@ class LMLightningModule(pl.LightningModule):
             self.model = self._build()
             init_weights(self, self.hparams.seed)
 
+    def _attention_mask(self, idx: Tensor) -> Tensor | None:
+        if not self.hparams.get("left_padding"):
+            return None
+        return (torch.arange(idx.shape[1], device=idx.device) >= (idx[:, :1] % 4)).long()
+
     def forward(self, idx: Tensor) -> Tensor:
-        output = self.model(idx)
+        mask = self._attention_mask(idx)
+        output = self.model(idx) if mask is None else self.model(idx, attention_mask=mask)
         # A mixture of experts asked for its router logits (``output_router_logits=True``) returns its load-balancing
         # loss beside the logits: the step adds it, weighted as the model's own loss would.
         self._aux_loss = getattr(output, "aux_loss", None)
@@ -517,6 +527,9 @@ class LMLightningModule(pl.LightningModule):
     def _loss(self, batch: tuple[Tensor, Tensor], accuracy: Any = None, name: str = "") -> Tensor:
         inputs, targets = batch
         logits = self(inputs)
+        mask = self._attention_mask(inputs)
+        if mask is not None:  # the padded positions' targets ignored: the mean is over the others
+            targets = targets.masked_fill(mask == 0, -100)
         if accuracy is not None:
             accuracy(logits.argmax(-1).reshape(-1), targets.reshape(-1))
             self.log(name, accuracy, on_step=name.startswith("train"), on_epoch=True)

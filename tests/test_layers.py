@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("options",),  # the strategy's arguments, validated
     ("mesh",),  # the degrees against the world size; the named device mesh
     ("probe",),  # the blocks found; the user's step run once at setup and recorded
-    ("tensor_parallel", "expert_parallel", "pipeline", "checkpoint"),  # each parallelism, and checkpoint I/O
+    ("tensor_parallel", "expert_parallel", "context_parallel", "pipeline", "checkpoint"),  # each parallelism, and checkpoint I/O
     ("parallel", "planner"),  # the driver applying them in order; the layout planner
     ("observe", "resilience"),  # what the run shows; what keeps it alive
     ("glue",),  # Lightning's hooks, loops and plugins

@@ -34,12 +34,15 @@ import math
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.mesh import ParallelDims
 from lightning_hybrid.options.hybrid_options import AUTO, Degree, HybridOptions
-from lightning_hybrid.parallel.parallelize import already_parallel
+from lightning_hybrid.parallel.parallelize import apply_materialization
 
 _READ = "_hybrid_strategy_mesh_read"
 
@@ -50,7 +53,7 @@ def mesh_degrees(options: HybridOptions, world_size: int, devices_per_node: int)
     node's devices (ModelParallelStrategy's default: tensor parallelism within a node, data parallelism across
     nodes). ``dp="auto"`` takes the rest."""
     if not options.chooses_layout:  # ep is checked against the layout chosen at setup with tp/pp="auto"
-        return {**options.degrees, "ep": options.ep}
+        return {**options.degrees, "ep": options.ep, "cp": options.cp}
     if options.pp != AUTO:
         pp = int(options.pp)
     elif AUTO not in (options.dp, options.tp):  # both fixed: the pipeline is what they leave, not Lightning's 1
@@ -115,3 +118,44 @@ def parallelizes_itself(module: nn.Module, read_mesh: bool, data_parallel_size: 
                            f" self.device_mesh['data_parallel'], or do not read the mesh and let HybridStrategy"
                            f" parallelize the model.")
     return read_mesh
+
+
+def already_parallel(module: nn.Module) -> bool:
+    """True if the module applied FSDP2 or tensor parallelism itself (Lightning's ModelParallel style)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def accept_user_parallelism(module: nn.Module, options: HybridOptions, device: torch.device) -> None:
+    """For a module that parallelizes itself (see :mod:`lightning_hybrid.glue.model_parallel_compat`): apply nothing but
+    materialization, and refuse the options only :func:`parallelize` can apply."""
+    if options.cp != 1:
+        # The context-parallel plan is checked on the unmodified blocks and wraps them; a module that shards
+        # itself has already replaced them.
+        raise ValueError(
+            f"HybridStrategy(cp={options.cp!r}) splits the blocks of a model the strategy parallelizes, but the"
+            " LightningModule parallelizes itself (its configure_model/setup read self.device_mesh, or applied"
+            " FSDP2/tensor parallelism). Use cp=1 with it, or leave parallelism to HybridStrategy."
+        )
+    if options.pp != 1:
+        # The split traces and cuts the unmodified model; FSDP2 roots and DTensors applied over the whole model
+        # cannot be taken apart into stages afterwards.
+        raise ValueError(
+            f"HybridStrategy(pp={options.pp!r}) splits a model the strategy parallelizes, but the LightningModule"
+            " parallelizes itself (its configure_model/setup read self.device_mesh, or applied FSDP2/tensor"
+            " parallelism). Use pp=1 with it, or leave parallelism to HybridStrategy: do not read"
+            " self.device_mesh nor call fully_shard/parallelize_module there."
+        )
+    if (options.offload or options.checkpointing is not None or options.compile_arguments is not None
+            or options.loss_parallel):
+        raise ValueError(
+            "HybridStrategy(offload=, activation_checkpointing=, compile=, loss_parallel=) are applied while the"
+            " strategy shards the model, but the LightningModule parallelizes itself (its configure_model/setup"
+            " read self.device_mesh, or applied FSDP2/tensor parallelism). Either let the strategy parallelize"
+            " (build the model in configure_model without reading the mesh or calling"
+            " fully_shard/parallelize_module) or pass offload_policy=CPUOffloadPolicy() to your fully_shard calls,"
+            " checkpoint (and compile) your blocks there, and compute your loss inside torch's loss_parallel()."
+        )
+    rank_zero_info("HybridStrategy: the LightningModule parallelizes itself; applying nothing more.")
+    apply_materialization(module, device)

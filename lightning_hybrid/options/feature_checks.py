@@ -43,6 +43,37 @@ def check_loss_parallel(loss_parallel: object, tp: object, pp: object, shard_voc
                          " logits are then gathered) or use pp=1.")
 
 
+#: What each boolean argument's ``True`` and ``False`` mean, for the error a non-boolean gets.
+_FLAG_MEANINGS = {
+    "offload": ("CPU offload", "none"),
+    "shard_vocab": ("shard the embedding and head over the vocabulary under tp", "keep them whole"),
+    "tp_strict": ("refuse at setup what tensor parallelism cannot shard", "keep it whole on every tp rank"),
+}
+
+
+def check_flags(**flags: object) -> None:
+    """Refuse a boolean argument given anything but ``True`` or ``False``."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            true, false = _FLAG_MEANINGS[name]
+            raise ValueError(f"HybridStrategy({name}={value!r}) is invalid: pass True ({true}) or False ({false}).")
+
+
+def check_context_parallel(cp: object, compile: object, chooses_layout: bool) -> None:
+    """``cp`` a positive integer, with what it does not combine with yet refused."""
+    check_positive("HybridStrategy", "cp", cp)
+    if cp == 1:
+        return
+    if compile:
+        # The exchange runs around each block's forward and inside its attention call (a TorchFunctionMode and
+        # Hugging Face's attention interface), which per-block compilation would have to trace.
+        raise ValueError(f"HybridStrategy(cp={cp}, compile=...) is not supported yet: drop compile, or use cp=1.")
+    if chooses_layout:
+        raise ValueError(f"HybridStrategy(cp={cp}) with tp='auto' or pp='auto': the layout search does not place"
+                         " context parallelism yet. Pass fixed tp and pp (`lightning-hybrid plan --seq-len ...`"
+                         " prices cp), or cp=1.")
+
+
 def check_async_checkpoint(async_checkpoint: object, save_distributed_checkpoint: bool) -> None:
     if not isinstance(async_checkpoint, bool):
         raise ValueError(f"HybridStrategy(async_checkpoint={async_checkpoint!r}) is invalid: pass True (write"

@@ -24,8 +24,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_hybrid.checks import check_positive
 from lightning_hybrid.hardware import Cluster
-from lightning_hybrid.options.feature_checks import (Compile, check_async_checkpoint, check_loss_parallel,
-                                                     checked_reduce_dtype, checked_watchdog_timeout, compile_arguments)
+from lightning_hybrid.options.feature_checks import (Compile, check_async_checkpoint, check_context_parallel,
+                                                     check_flags, check_loss_parallel, checked_reduce_dtype,
+                                                     checked_watchdog_timeout, compile_arguments)
 from lightning_hybrid.options.recompute import ActivationCheckpointing, CheckpointPlan
 from lightning_hybrid.options.schedules import PLANNED_SCHEDULES, PipelineSchedule
 
@@ -72,6 +73,10 @@ class HybridOptions:
             sharding ranks (``ep`` divides ``dp``; the world size is unchanged), tokens sent all-to-all to the rank
             holding their chosen expert; the router runs unchanged, dense layers stay data-parallel. Experts found
             by structure (stacked 3-D parameters, or a list a router chooses among): :mod:`lightning_hybrid.expert_parallel`.
+        cp: Context-parallel degree: each sample's sequence split over ``cp`` ranks (``world = dp × cp × tp × pp ×
+            dp_replicate``) that read the same samples; every block runs on its part of the sequence, attention
+            on the whole sequence for ``heads / cp`` heads (an all-to-all each way), the rest of the step whole.
+            A block that mixes positions elsewhere stays whole, found at setup: :mod:`lightning_hybrid.context_parallel`.
         zero: 3 shards parameters between forward and backward too; 2 keeps them gathered for the step (see
             :mod:`lightning_hybrid.parallel.fsdp`). Default: 3 without a pipeline, 2 with one (ZeRO-3 would
             gather each block 2 × microbatches times per step instead of once); zero-bubble schedules need 2.
@@ -159,6 +164,7 @@ class HybridOptions:
     pp: Degree = 1
     dp_replicate: int = 1
     ep: int = 1
+    cp: int = 1
     zero: Optional[int] = None
     tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None  # a dict once constructed
     shard_vocab: bool = True
@@ -195,6 +201,7 @@ class HybridOptions:
     def __post_init__(self) -> None:
         check_degrees(self.dp, self.tp, self.pp, self.dp_replicate, auto=("dp", "tp", "pp"))
         check_positive("HybridStrategy", "ep", self.ep)
+        check_context_parallel(self.cp, self.compile, self.chooses_layout)
         self._set("tp_plan", dict(self.tp_plan or {}))
         self._set("pp_schedule_given", self.pp_schedule)
         self._set("pp_schedule", DEFAULT_SCHEDULE if self.pp_schedule is None else self.pp_schedule)
@@ -205,16 +212,9 @@ class HybridOptions:
         _check_checkpointing_with_schedule(self.checkpointing, self.pipeline_schedule)
         self._set("compile_arguments", compile_arguments(self.compile))
         self._check_auto_layout()
-        if not isinstance(self.offload, bool):
-            raise ValueError(f"HybridStrategy(offload={self.offload!r}) is invalid: pass True (CPU offload) or False.")
         self._set("reduce_dtype", checked_reduce_dtype(self.reduce_dtype))
         self._set("watchdog_timeout", checked_watchdog_timeout(self.watchdog_timeout))
-        if not isinstance(self.shard_vocab, bool):
-            raise ValueError(f"HybridStrategy(shard_vocab={self.shard_vocab!r}) is invalid: pass True (shard the"
-                             " embedding and head over the vocabulary under tp) or False (keep them whole).")
-        if not isinstance(self.tp_strict, bool):
-            raise ValueError(f"HybridStrategy(tp_strict={self.tp_strict!r}) is invalid: pass False (keep whole on every"
-                             " tp rank what tensor parallelism cannot shard) or True (refuse at setup).")
+        check_flags(offload=self.offload, shard_vocab=self.shard_vocab, tp_strict=self.tp_strict)
         check_loss_parallel(self.loss_parallel, self.tp, self.pp, self.shard_vocab)
         check_async_checkpoint(self.async_checkpoint, self.save_distributed_checkpoint)
         if self.check_replicas_every_n_steps is not None:

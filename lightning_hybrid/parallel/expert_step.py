@@ -67,7 +67,7 @@ def expert_units(applied: Optional[AppliedExperts], dims: ParallelDims, device_t
         return None
     mesh = dims.build_expert_mesh(device_type)
     data = mesh[(DATA_REPLICATE, EXPERT_DATA)] if dims.dp_replicate > 1 else mesh[EXPERT_DATA]
-    return ExpertUnits(applied.units, data, divide_factor=dims.data_parallel_size)
+    return ExpertUnits(applied.units, data, divide_factor=dims.gradient_ranks)
 
 
 def spread_experts(applied: AppliedExperts, dims: ParallelDims, device_type: str) -> dict[int, Any]:

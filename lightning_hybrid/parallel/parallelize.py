@@ -7,6 +7,8 @@
    unmodified model and recorded (:mod:`lightning_hybrid.probe.record`): what every block structure receives, where
    the vocabulary is used, what runs before and after the blocks and what each block costs. Every step below reads
    that record; only ``pp_split="measured"`` runs the step again, to time it;
+0b. **context parallelism planned** (``cp > 1``, :mod:`lightning_hybrid.parallel.context_step`): each block
+   structure checked on its recorded call, run whole and in parts, on the unmodified blocks;
 1. **pipeline split** first: it cuts the unmodified model by the record, and keeps meta-device copies of every
    unit (the stand-ins other stages need) before any later step changes them; from here on this rank works on its
    own stages' blocks only;
@@ -16,6 +18,8 @@
 2b. **expert parallelism** (``ep > 1``, :mod:`lightning_hybrid.parallel.expert_step`): each mixture-of-experts
    layer's experts spread over the ep ranks, checked against the whole layer on the first batch; after tensor
    parallelism, which plans the blocks with the experts whole, and before anything wraps the blocks;
+2c. **context parallelism installed**: this rank's planned blocks run on their part of the sequence, their
+   attention exchanged; after 2 and 2b, whose checks run the blocks whole;
 3. **activation checkpointing**: after tensor parallelism, so the recomputed forward runs the sharded layers and
    their collectives; inside the FSDP2 units applied next, so their hooks gather parameters for the recompute;
 4. **torch.compile** per block, in place (``compile=``): after checkpointing, so the recompute is in the graph;
@@ -55,8 +59,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.checkpoint.hf_load import load_pretrained, loaded_names
 from lightning_hybrid.mesh import DATA_DIMS, DATA_SHARD, PIPELINE, TENSOR, ParallelDims
@@ -70,6 +72,8 @@ from lightning_hybrid.parallel.construction import recorded_values, recording_co
 from lightning_hybrid.parallel.initialization import materialize_meta_module
 from lightning_hybrid.tensor_parallel.loss_parallel import require_sharded_head
 from lightning_hybrid.expert_parallel.apply import AppliedExperts
+from lightning_hybrid.context_parallel.apply import AppliedContext
+from lightning_hybrid.parallel.context_step import install_context, plan_context
 from lightning_hybrid.parallel.expert_step import (apply_expert_parallelism, expert_units, experts_kept_whole_by_tp,
                                               spread_experts)
 from lightning_hybrid.parallel.fsdp import ExpertUnits, FSDPOptions, apply_fsdp, mixed_precision_policy
@@ -89,26 +93,26 @@ class Parallelized:
     tp_plan: AppliedPlan = field(default_factory=AppliedPlan)
     sharded: bool = False
     experts: Optional[AppliedExperts] = None
+    context: Optional[AppliedContext] = None
 
 
 def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh, dims: ParallelDims,
                 options: HybridOptions, *, data_mesh: DeviceMesh, precision: str, device: torch.device,
                 probe: StepProbe) -> Parallelized:
-    """Apply ``options``' parallelisms to ``module`` in place (see the module docstring for the order); every
-    rank calls it. ``mesh`` and ``data_mesh`` are what :meth:`~lightning_hybrid.mesh.ParallelDims.build_mesh` returns;
-    ``probe`` runs the user's step on the first batch (recorded once, when a step below first needs it)."""
-    result = Parallelized()
+    """Apply ``options``' parallelisms to ``module`` in place (the module docstring gives the order); every rank calls
+    it. ``mesh``, ``data_mesh``: :meth:`~lightning_hybrid.mesh.ParallelDims.build_mesh`'s; ``probe``: the first batch's step."""
+    # 0b. context parallelism planned on the unmodified blocks (installed in step 2c)
+    result = Parallelized(context=plan_context(blocks, dims, probe) if dims.cp > 1 else None)
     recorded = recorded_values(module)  # names and recipes of the values built on meta, before anything changes them
     owned = list(range(len(blocks)))
-    compute_dtype = mixed_precision_policy(precision).param_dtype
     vocab = find_vocab(module, blocks, dims, options, probe)  # on the unmodified model, before any step
     called_outside = modules_called_outside(module, probe) if fsdp_applies(dims, options, precision) and len(blocks) else []
-    require_sharded_head(options.loss_parallel, vocab)
     # 1. pipeline split
     if dims.pp > 1:
         assert options.pipeline_schedule is not None
         result.pipeline = apply_pipeline_split(module, blocks_path, blocks, options.pipeline_schedule, mesh, device,
-                                               probe, options.pp_split, compute_dtype, options.verify_pipeline)
+                                               probe, options.pp_split, mixed_precision_policy(precision).param_dtype,
+                                               options.verify_pipeline)
         owned = result.pipeline.owned_blocks
     # 2. tensor parallelism
     if dims.tp > 1 or options.tp_plan:
@@ -116,8 +120,9 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
         result.tp_plan = apply_tensor_parallelism(module, blocks_path, blocks, mesh, dims, options, probe, vocab, owned, whole)
     # 2b. expert parallelism (its FSDP2 units in step 5)
     if dims.ep > 1:
-        result.experts = apply_expert_parallelism(module, blocks, dims, probe, owned, options.verify_tp_plan,
-                                                  device.type)
+        result.experts = apply_expert_parallelism(module, blocks, dims, probe, owned, options.verify_tp_plan, device.type)
+    # 2c. context parallelism on this rank's blocks (after 2 and 2b, whose checks run the blocks whole)
+    install_context(result.context, blocks, owned, dims, device.type)
     # 3. activation checkpointing
     if options.checkpointing is not None:
         apply_checkpointing(blocks, owned, options.checkpointing, probe)
@@ -219,13 +224,16 @@ def apply_tensor_parallelism(module: nn.Module, blocks_path: str, blocks: BlockL
 def find_vocab(module: nn.Module, blocks: BlockList, dims: ParallelDims, options: HybridOptions,
                probe: StepProbe) -> Optional[VocabLayers]:
     """The token embedding and head to shard over the vocabulary in step 2 (``None`` with tp = 1 or
-    ``shard_vocab=False``), found from the probe's record; what stays whole, and why, is logged."""
+    ``shard_vocab=False``), found from the probe's record; what stays whole, and why, is logged. ``loss_parallel``
+    without a sharded head is refused here."""
     if dims.tp == 1 or not options.shard_vocab:
+        require_sharded_head(options.loss_parallel, None)
         return None
     layers = find_vocab_layers(module, blocks, probe.record(), dims.tp, options.tp_plan)
     if layers.reason:
         kept = "the head" if layers.embedding else "the embedding and the head"
         rank_zero_info(f"HybridStrategy: {kept} stay whole over tp (shard_vocab): {layers.reason}.")
+    require_sharded_head(options.loss_parallel, layers)
     return layers
 
 
@@ -305,7 +313,7 @@ def fsdp_applies(dims: ParallelDims, options: HybridOptions, precision: str) -> 
     # With one data-parallel rank FSDP2 would shard nothing yet make every parameter a DTensor and run its hooks
     # per block (measured: +15 % step time at tp=2, +20 % at pp=2, BENCHMARKS.md); it stays for what only it
     # provides here: bf16-mixed's policy and CPU offload.
-    return dims.data_parallel_size > 1 or options.offload or precision == "bf16-mixed"
+    return dims.gradient_ranks > 1 or options.offload or precision == "bf16-mixed"
 
 
 def apply_data_parallel(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: DeviceMesh,
@@ -363,36 +371,3 @@ def apply_materialization(module: nn.Module, device: torch.device,
         dist.broadcast_object_list(seed, src=0)
     if materialize_meta_module(module, device, seed[0], recorded, skip):
         rank_zero_info(f"HybridStrategy: initialized the meta-device model per module from seed {seed[0]}.")
-
-
-def already_parallel(module: nn.Module) -> bool:
-    """True if the module applied FSDP2 or tensor parallelism itself (Lightning's ModelParallel style)."""
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
-
-
-def accept_user_parallelism(module: nn.Module, options: HybridOptions, device: torch.device) -> None:
-    """For a module that parallelizes itself (see :mod:`lightning_hybrid.glue.model_parallel_compat`): apply nothing but
-    materialization, and refuse the options only :func:`parallelize` can apply."""
-    if options.pp != 1:
-        # The split traces and cuts the unmodified model; FSDP2 roots and DTensors applied over the whole model
-        # cannot be taken apart into stages afterwards.
-        raise ValueError(
-            f"HybridStrategy(pp={options.pp!r}) splits a model the strategy parallelizes, but the LightningModule"
-            " parallelizes itself (its configure_model/setup read self.device_mesh, or applied FSDP2/tensor"
-            " parallelism). Use pp=1 with it, or leave parallelism to HybridStrategy: do not read"
-            " self.device_mesh nor call fully_shard/parallelize_module there."
-        )
-    if (options.offload or options.checkpointing is not None or options.compile_arguments is not None
-            or options.loss_parallel):
-        raise ValueError(
-            "HybridStrategy(offload=, activation_checkpointing=, compile=, loss_parallel=) are applied while the"
-            " strategy shards the model, but the LightningModule parallelizes itself (its configure_model/setup"
-            " read self.device_mesh, or applied FSDP2/tensor parallelism). Either let the strategy parallelize"
-            " (build the model in configure_model without reading the mesh or calling"
-            " fully_shard/parallelize_module) or pass offload_policy=CPUOffloadPolicy() to your fully_shard calls,"
-            " checkpoint (and compile) your blocks there, and compute your loss inside torch's loss_parallel()."
-        )
-    rank_zero_info("HybridStrategy: the LightningModule parallelizes itself; applying nothing more.")
-    apply_materialization(module, device)

@@ -118,7 +118,7 @@ def test_an_expert_count_the_ranks_cannot_share_is_refused_with_the_valid_sizes(
 
 
 def test_an_ep_that_does_not_divide_the_data_parallel_degree_is_refused() -> None:
-    with pytest.raises(ValueError, match=re.escape("dp=6 (per pipeline stage and replica) is not a multiple of it."
-                                                   " Pass an ep that divides 6: [1, 2, 3, 6]")):
+    with pytest.raises(ValueError, match=re.escape("dp × cp = 6 (per pipeline stage and replica) is not a multiple"
+                                                   " of it. Pass an ep that divides 6: [1, 2, 3, 6]")):
         ParallelDims(world_size=12, dp="auto", pp=2, ep=4)
     assert ParallelDims(world_size=8, dp="auto", pp=2, ep=4).ep == 4

@@ -182,7 +182,7 @@ def test_auto_degrees_have_lightnings_meaning_until_a_layout_is_chosen() -> None
     assert mesh_degrees(HybridOptions(dp=2, tp="auto"), 8, 8)["tp"] == 4  # what a fixed dp leaves
     assert mesh_degrees(HybridOptions(tp=2, pp="auto"), 4, 4)["pp"] == 1
     assert mesh_degrees(HybridOptions(dp=1, tp=1, pp="auto"), 2, 2)["pp"] == 2  # once 1: "dp × tp × pp = 1, but 2"
-    assert mesh_degrees(HybridOptions(tp=2), 4, 4) == {**HybridOptions(tp=2).degrees, "ep": 1}  # fixed: as given
+    assert mesh_degrees(HybridOptions(tp=2), 4, 4) == {**HybridOptions(tp=2).degrees, "ep": 1, "cp": 1}  # fixed: as given
     assert mesh_degrees(HybridOptions(ep=2), 4, 4)["ep"] == 2
     kept = keep_given_degrees(HybridOptions(dp="auto", tp="auto"), ParallelDims(4, tp=4))
     assert (kept.dp, kept.tp, kept.pp, kept.chooses_layout) == (1, 4, 1, False)

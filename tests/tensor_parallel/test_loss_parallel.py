@@ -19,7 +19,7 @@ from lightning_hybrid import HybridStrategy
 from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.probe.blocks import find_block_list
 from lightning_hybrid.tensor_parallel.loss_parallel import require_sharded_head, sharded_logits
-from lightning_hybrid.parallel.parallelize import accept_user_parallelism
+from lightning_hybrid.glue.model_parallel_compat import accept_user_parallelism
 from lightning_hybrid.tensor_parallel.vocab import VocabLayers
 from tests.conftest import META_INIT_LAYERS, ReferenceFn
 from tests.helpers import assert_equivalent, on_two_ranks
