@@ -6,7 +6,8 @@ with its attention exchanged (:mod:`.attention`; the class swapped for a subclas
 checkpointing, applied later as a subclass of that one, saves the parts and routes its recompute too), and gathers
 its outputs on exit (:func:`~.exchange.gather_sequence`). Between blocks and around them the model computes on the whole sequence, so
 stage boundaries, stand-ins, the head and the loss see what they see without context parallelism. A meta-device
-call (a pipeline's shape pass) runs the block whole: the shapes are the same.
+call (a pipeline's shape pass) runs the block whole: the shapes are the same; so does every call while the group
+is disabled (``group.enabled = False``: the setup check's whole run).
 
 Example::
 
@@ -18,7 +19,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Collection, Mapping, Sequence, Union
 
 from torch import Tensor, nn
 
@@ -57,12 +58,22 @@ class AppliedContext:
         return lines
 
 
-def plan_context_parallel(blocks: BlockList, block_calls: Mapping[int, BlockCall], parts: int) -> AppliedContext:
-    """Every block structure's plan, on the unmodified blocks and the probe's recorded calls."""
+#: Why a block structure some of whose blocks :func:`~.escapes.find_escapes` found stays whole.
+ESCAPES = ("the step reads a value made inside it other than through its outputs (a hook recording a module's"
+           " output: Hugging Face's output_router_logits or output_attentions), which would hold this rank's"
+           " positions only")
+
+
+def plan_context_parallel(blocks: BlockList, block_calls: Mapping[int, BlockCall], parts: int,
+                          escaping: Collection[int] = ()) -> AppliedContext:
+    """Every block structure's plan, on the unmodified blocks and the probe's recorded calls; structures with a
+    block in ``escaping`` stay whole."""
     structures = {indices[0]: list(indices) for indices in block_structures(blocks)}
     plans: dict[int, Union[BlockPlan, str]] = {}
     for first in structures:
-        if first not in block_calls:
+        if set(structures[first]) & set(escaping):
+            plans[first] = ESCAPES
+        elif first not in block_calls:
             plans[first] = "the setup step never called it"
         else:
             plans[first] = plan_block(blocks[first], block_calls[first], parts)
@@ -87,7 +98,7 @@ def _install(block: nn.Module, name: str, plan: BlockPlan, group: ContextGroup) 
     def forward(*args: Any, **kwargs: Any) -> Any:
         leaves, spec = tree_flatten((args, kwargs))
         own_forward = type(block).forward  # the class's: a checkpointed one's recompute routes attention again
-        if any(isinstance(x, Tensor) and x.is_meta for x in leaves):
+        if not group.enabled or any(isinstance(x, Tensor) and x.is_meta for x in leaves):
             return own_forward(block, *args, **kwargs)
         if len(leaves) != plan.leaves:
             raise RuntimeError(f"HybridStrategy(cp={group.size}): '{name}' was called with {len(leaves)} values, but"
@@ -111,6 +122,8 @@ def _routed_class(cls: type) -> type:
     a subclass of this one) recomputes, so the recompute in backward exchanges as the forward did."""
     if cls not in _ROUTED_CLASSES:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if not self._context_attention.group.enabled:
+                return cls.forward(self, *args, **kwargs)
             with routed_attention(self, self._context_attention):
                 return cls.forward(self, *args, **kwargs)
 

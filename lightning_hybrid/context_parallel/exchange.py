@@ -38,13 +38,15 @@ from lightning_hybrid._compat import all_to_all_autograd
 
 @dataclass
 class ContextGroup:
-    """The ranks one sequence is split over: the process group, this rank's place in it, its size, and the bytes
-    this rank sent to the others (forward exchanges; read by the benchmark)."""
+    """The ranks one sequence is split over: the process group, this rank's place in it, its size, the bytes this
+    rank sent to the others (forward exchanges; read by the benchmark), and whether the blocks split at all (the
+    setup check runs the step with them whole too)."""
 
     group: Any
     rank: int
     size: int
     bytes_sent: dict[str, int] = field(default_factory=lambda: {"all_to_all": 0, "all_gather": 0})
+    enabled: bool = True
 
     def count(self, kind: str, tensor: Tensor) -> None:
         """Note what one collective sent to the other ranks: ``(N - 1) / N`` of an all-to-all's input, the whole

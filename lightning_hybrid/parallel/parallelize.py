@@ -122,7 +122,7 @@ def parallelize(module: nn.Module, blocks_path: str, blocks: BlockList, mesh: De
     if dims.ep > 1:
         result.experts = apply_expert_parallelism(module, blocks, dims, probe, owned, options.verify_tp_plan, device.type)
     # 2c. context parallelism on this rank's blocks (after 2 and 2b, whose checks run the blocks whole)
-    install_context(result.context, blocks, owned, dims, device.type)
+    install_context(result.context, blocks, owned, dims, probe, precision)
     # 3. activation checkpointing
     if options.checkpointing is not None:
         apply_checkpointing(blocks, owned, options.checkpointing, probe)

@@ -185,3 +185,21 @@ def test_experts_spread_over_ep_ranks_resume_under_another_ep(model: str, target
     losses, params = _differences(source, resumed)
     print(f"{model} ep2 -> {target}: losses max rel {losses:.2e}, params max rel {params:.2e}")
     assert losses <= 1e-5 and params <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------- context parallelism
+def test_a_checkpoint_saved_under_cp_resumes_without_it(tmp_path: Path) -> None:
+    """Saved under cp=2 (FSDP2 shards over both cp ranks, which read the same samples): the checkpoint is the
+    unmodified module's state dict, and two data-parallel ranks without cp continue the same training."""
+    source = run_script(["--model", "llama", "--dp", 1, "--devices", 2, "--strategy-kwargs", '{"cp": 2}',
+                         "--checkpoint-dir", tmp_path / "checkpoints", "--out", tmp_path / "run.pt"])
+    checkpoint = tmp_path / "checkpoints" / "epoch=0-step=4.ckpt"
+    saved = load_module_state(checkpoint)
+    assert saved.keys() == build_module("llama").state_dict().keys()
+    resumed = run_script(["--model", "llama", "--dp", 2, "--devices", 2, "--ckpt-path", checkpoint,
+                          "--out", tmp_path / "resumed.pt"])
+    for name, tensor in resumed["initial_params"].items():
+        assert torch.equal(saved[name], tensor), name
+    losses, params = _differences(source, resumed)
+    print(f"llama cp2 -> dp2: losses max rel {losses:.2e}, params max rel {params:.2e}")
+    assert losses <= 1e-5 and params <= 1e-5

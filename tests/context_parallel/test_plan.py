@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_hybrid.context_parallel.apply import plan_context_parallel
+from lightning_hybrid.context_parallel.escapes import find_escapes
 from lightning_hybrid.context_parallel.plan import BlockPlan, plan_block
 from lightning_hybrid.probe.blocks import BlockList
 from tests.models import hugging_face_llama
@@ -111,3 +112,33 @@ def test_a_meta_device_block_is_planned_from_shapes_and_reported_unchecked() -> 
     applied = plan_context_parallel(blocks, {0: (tuple(a.to("meta") for a in args), kwargs)}, parts=2)
     assert applied.describe() == ["layers.0 (2 blocks): split, planned from shapes (meta device), not checked at 12"
                                   " positions, 4 heads"]
+
+
+class _RecordingModel(nn.Module):
+    """Two blocks; with ``record``, a hook keeps each block's first projection's output and the step adds their
+    mean to the loss (as Hugging Face's ``output_router_logits`` feeds the load-balancing loss)."""
+
+    def __init__(self, record: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(2))
+        self.recorded: list[Tensor] = []
+        if record:
+            for layer in self.layers:
+                layer.qkv.register_forward_hook(lambda _, __, output: self.recorded.append(output))
+
+    def forward(self, x: Tensor, angles: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, angles)
+        return x.sum() + sum(value.mean() for value in self.recorded)
+
+
+@pytest.mark.parametrize(("record", "expected"), [(False, set()), (True, {0, 1})])
+def test_blocks_whose_inside_values_the_step_reads_are_found(record: bool, expected: set) -> None:
+    model = _RecordingModel(record)
+    (args, _) = _custom_call()
+    with torch.no_grad():
+        found = find_escapes(BlockList("layers", model.layers), lambda: model(*args))
+    assert found == expected
+    applied = plan_context_parallel(BlockList("layers", model.layers), {0: _custom_call()}, 2, found)
+    assert applied.describe()[0].startswith("layers.0 (2 blocks): kept whole on every cp rank: the step reads a"
+                                            if record else "layers.0 (2 blocks): split, checked")

@@ -1,8 +1,9 @@
 """Context parallelism in training, against single-process Lightning: a Llama-style decoder with grouped-query
 attention and rotary positions (Hugging Face's, eager attention through its attention interface, and a custom one
 calling ``F.scaled_dot_product_attention``), sliding-window attention (Qwen2), left-padded batches (an attention
-mask, the padded targets ignored by the loss), a state-space model kept whole, activation checkpointing and a
-meta-device model — under cp2, cp4, dp2 × cp2, cp2 × tp2 and cp2 × pp2."""
+mask, the padded targets ignored by the loss), a state-space model kept whole, Mixtral (its load-balancing loss,
+read through hooks inside the blocks, keeps them whole), activation checkpointing and a meta-device model — under
+cp2, cp4, dp2 × cp2, cp2 × tp2 and cp2 × pp2."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ SLIDING = {"model": "hf_qwen2", "module": {"config": {"use_sliding_window": True
 #: ignored: the loss is the mean over the others.
 PADDED = {"model": "hf_llama", "module": {"left_padding": True}}
 HF_LLAMA, LLAMA = {"model": "hf_llama"}, {"model": "llama"}
+MIXTRAL_AUX = {"model": "hf_mixtral", "module": {"config": {"output_router_logits": True}}}
 #: (the run's model, its single-device reference, the strategy's degrees), per launch.
 TWO_RANKS = [
     (HF_LLAMA, HF_LLAMA, {"cp": 2}),
@@ -28,6 +30,9 @@ TWO_RANKS = [
     (SLIDING, SLIDING, {"cp": 2}),
     (PADDED, PADDED, {"cp": 2}),
     ({"model": "hf_mamba"}, {"model": "hf_mamba"}, {"cp": 2}),  # a selective scan: its blocks stay whole
+    ({"model": "hf_mixtral"}, {"model": "hf_mixtral"}, {"cp": 2}),
+    # The load-balancing loss reads every router's logits through hooks inside the blocks: they stay whole.
+    (MIXTRAL_AUX, MIXTRAL_AUX, {"cp": 2}),
     ({"model": "hf_llama", "module": {"config": {"use_cache": False}}}, HF_LLAMA,
      {"cp": 2, "activation_checkpointing": "every"}),
     ({"model": "hf_llama", "module": {"init": "meta"}}, {"model": "hf_llama", "module": {"init": "per_module"}},

@@ -27,6 +27,23 @@ def test_dims_infer_dp_and_name_the_mesh_sizes() -> None:
     assert dims.sizes == {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
 
 
+def test_cp_ranks_join_the_sharding_dimension_but_not_the_batches() -> None:
+    dims = ParallelDims(world_size=16, tp=2, cp=2, dp_replicate=2)
+    assert dims.dp == 2 and dims.data_parallel_size == 4 and dims.gradient_ranks == 8
+    assert dims.sizes == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 2}
+    with pytest.raises(ValueError, match=r"tp=2 × pp=1 × dp_replicate=1 × cp=4 = 8 does not divide the world size 12"):
+        ParallelDims(world_size=12, tp=2, cp=4)
+
+
+def test_what_cp_does_not_combine_with_yet_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"cp=0\) is invalid: cp must be a positive integer"):
+        HybridStrategy(cp=0)
+    with pytest.raises(ValueError, match=r"cp=2, compile=...\) is not supported yet: drop compile, or use cp=1"):
+        HybridStrategy(cp=2, compile=True)
+    with pytest.raises(ValueError, match=r"cp=2\) with tp='auto' or pp='auto'"):
+        HybridStrategy(cp=2, tp="auto")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
