@@ -248,7 +248,7 @@ def _layout_report(asked: Estimate, estimates: list[Estimate]) -> str:
              f"Seconds per step on the busiest rank: compute {time.compute:.3f} (matmuls"
              f" {time.compute - time.memory_bound:.3f}, memory-bound kernels {time.memory_bound:.3f}), tensor parallel"
              f" {time.tensor_parallel:.3f}, pipeline messages {time.pipeline:.3f}, expert all-to-all"
-             f" {time.experts:.3f}, bubble {time.bubble:.3f},"
+             f" {time.experts:.3f}, context-parallel exchange {time.context:.3f}, bubble {time.bubble:.3f},"
              f" data parallel {time.data_parallel:.3f} ({time.data_parallel_exposed:.3f} exposed), optimizer"
              f" {time.optimizer:.3f}: {time.step:.3f} s, {asked.tokens_per_second:,.0f} tokens/s, MFU {asked.mfu:.1%}"]
     rank = _rank(asked, estimates)
@@ -339,21 +339,21 @@ def _describe(model: ModelShape, cluster: Cluster, args: argparse.Namespace, fit
         f" node, {cluster.inter_node_bandwidth / 1e9:g} GB/s between nodes, {cluster.latency * 1e6:g} µs per message",
         f"Global batch {args.global_batch} sequences, {args.precision}: {fitting} of {considered} layouts fit.",
         "GiB per GPU on the fullest pipeline stage (states: parameters + gradients + AdamW moments; activ.: with"
-        " pipeline buffers); seconds per step on the busiest rank (ep: expert all-to-all; dp: exposed data-parallel"
+        " pipeline buffers); seconds per step on the busiest rank (ep: expert all-to-all; cp: context-parallel exchange; dp: exposed data-parallel"
         " traffic; opt: the optimizer step). accN: Trainer(accumulate_grad_batches=N); mN: pipeline microbatches; ac: activation"
         " checkpointing.",
     ])
 
 
 def _table(estimates: list[Estimate]) -> str:
-    header = ["#", "layout", "states", "gathered", "activ.", "logits", "total", "compute", "tp", "pp", "ep", "dp",
+    header = ["#", "layout", "states", "gathered", "activ.", "logits", "total", "compute", "tp", "pp", "ep", "cp", "dp",
               "bubble", "opt", "step s", "tokens/s", "MFU", "fits"]
     rows = []
     for index, e in enumerate(estimates, 1):
         memory = [e.memory.model_states, e.memory.gathered_parameters, e.memory.activations, e.memory.logits,
                   e.memory.total]
-        time = [e.time.compute, e.time.tensor_parallel, e.time.pipeline, e.time.experts, e.time.data_parallel_exposed,
-                e.time.bubble, e.time.optimizer, e.time.step]
+        time = [e.time.compute, e.time.tensor_parallel, e.time.pipeline, e.time.experts, e.time.context,
+                e.time.data_parallel_exposed, e.time.bubble, e.time.optimizer, e.time.step]
         rows.append([str(index), str(e.layout)] + [f"{value / GIB:.1f}" for value in memory]
                     + [f"{value:.3f}" for value in time]
                     + [f"{e.tokens_per_second:,.0f}", f"{e.mfu:.1%}"]

@@ -59,7 +59,7 @@ TOLERANCE = 0.01
 #: without checkpointing and 10-15 % high with it (BENCHMARKS.md, "Planner: predicted vs measured").
 HEADROOM = 0.05
 #: HybridStrategy arguments that make up the planner's layout.
-LAYOUT_ARGUMENTS = ("dp", "tp", "pp", "dp_replicate", "zero", "pp_schedule", "microbatches", "virtual_stages",
+LAYOUT_ARGUMENTS = ("dp", "tp", "pp", "dp_replicate", "cp", "zero", "pp_schedule", "microbatches", "virtual_stages",
                     "activation_checkpointing", "shard_vocab")
 #: Strategy arguments the cost model does not model, at the values its predictions assume.
 UNMODELLED_DEFAULTS = {"offload": False, "reduce_dtype": None, "loss_parallel": False, "pp_split": None}

@@ -105,11 +105,11 @@ def candidate_layouts(options: HybridOptions, world: int, accumulation: int = 1,
     layouts = []
     for tp in _choices(options.tp, world):
         for pp in _choices(options.pp, world):
-            rest, remainder = divmod(world, tp * pp * options.dp_replicate)
+            rest, remainder = divmod(world, tp * pp * options.dp_replicate * options.cp)
             dp = rest if options.dp == AUTO else int(options.dp)
-            if remainder or dp * tp * pp * options.dp_replicate != world:
+            if remainder or dp * tp * pp * options.dp_replicate * options.cp != world:
                 continue
-            base = Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, ep=options.ep,
+            base = Layout(dp=dp, tp=tp, pp=pp, dp_replicate=options.dp_replicate, ep=options.ep, cp=options.cp,
                           shard_vocab=options.shard_vocab,
                           compile=options.compile_arguments is not None, offload=options.offload,
                           reduce_dtype=options.reduce_dtype, loss_parallel=options.loss_parallel)

@@ -85,7 +85,16 @@ def _structural_reasons(step: StepShape) -> list[str]:
     if step.global_batch % splits:
         what = "microbatches × accumulate" if step.pipeline_steps > 1 else "microbatches"
         reasons.append(f"global batch {step.global_batch} is not divisible by dp × dp_replicate × {what} = {splits}")
-    return reasons + _option_reasons(step) + _expert_reasons(step)
+    return reasons + _option_reasons(step) + _expert_reasons(step) + _context_reasons(step)
+
+
+def _context_reasons(step: StepShape) -> list[str]:
+    """What HybridStrategy cannot split over ``cp`` ranks (context_parallel/: equal parts, whole heads each)."""
+    cp, model, tp = step.layout.cp, step.model, step.layout.tp
+    if cp == 1:
+        return []
+    return [f"cp={cp} does not divide {name}={value}" for name, value in
+            (("seq_len", model.seq_len), ("heads per tp rank", model.heads // tp)) if value % cp]
 
 
 def _expert_reasons(step: StepShape) -> list[str]:
@@ -95,8 +104,9 @@ def _expert_reasons(step: StepShape) -> list[str]:
         return []
     if not model.experts:
         return [f"ep={ep} needs a mixture-of-experts model (experts > 0)"]
+    shards = "dp × cp" if step.layout.cp > 1 else "dp"
     return [f"ep={ep} does not divide {name}={value}" for name, value in
-            (("dp", step.layout.dp), ("experts", model.experts)) if value % ep]
+            ((shards, step.shard_ranks), ("experts", model.experts)) if value % ep]
 
 
 def _option_reasons(step: StepShape) -> list[str]:
@@ -181,10 +191,11 @@ def stage_memory(model: ModelShape, cluster: Cluster, layout: Layout, global_bat
 def _step_time(step: StepShape, ranks: list) -> TimeBreakdown:
     """The busiest rank's pipelined time, its bubble, the most exposed data-parallel time and optimizer step."""
     times = [rank_times(step, rank) for rank in ranks]
-    busiest = max(times, key=lambda t: t.compute + t.tensor + t.pipe + t.experts)
-    busy, slots = busiest.compute + busiest.tensor + busiest.pipe + busiest.experts, step.microbatches * step.virtual_stages
+    busiest = max(times, key=lambda t: t.compute + t.tensor + t.pipe + t.experts + t.context)
+    busy = busiest.compute + busiest.tensor + busiest.pipe + busiest.experts + busiest.context
+    slots = step.microbatches * step.virtual_stages
     pipelined = busy * (slots + step.layout.pp - 1) / slots  # the bubble is (p − 1) / (m·v + p − 1) of this
     exposed, optimizer = max(t.exposed for t in times), max(t.optimizer for t in times)
     return TimeBreakdown(busiest.compute, busiest.tensor, busiest.pipe, busiest.data, exposed, pipelined - busy,
                          pipelined + exposed + optimizer, memory_bound=busiest.memory_bound, optimizer=optimizer,
-                         experts=busiest.experts)
+                         experts=busiest.experts, context=busiest.context)

@@ -35,6 +35,7 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     ep: int = 1  # expert parallelism: each MoE block's experts spread over ep of the dp (shard) ranks
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (world = dp·cp·tp·pp·rep)
     zero: int = 3
     activation_checkpointing: Union[None, str, int] = None  # None, "every", "selective" or N (every N-th block)
     pp_schedule: str = "1f1b"
@@ -53,7 +54,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         check_positive_values("Layout", dp=self.dp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
-                              accumulate=self.accumulate, ep=self.ep)
+                              accumulate=self.accumulate, ep=self.ep, cp=self.cp)
         optional = {name: getattr(self, name) for name in ("microbatches", "virtual_stages")}
         check_positive_values("Layout", **{name: value for name, value in optional.items() if value is not None})
         check_zero_level(self.zero)
@@ -69,7 +70,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.dp_replicate
+        return self.dp * self.tp * self.pp * self.dp_replicate * self.cp
 
     @property
     def accumulation_steps(self) -> int:
@@ -81,6 +82,7 @@ class Layout:
         """The layout in the words :func:`parse_layout` reads back."""
         text = f"dp{self.dp} tp{self.tp} pp{self.pp}" + (f" rep{self.dp_replicate}" if self.dp_replicate > 1 else "")
         text += f" ep{self.ep}" if self.ep > 1 else ""
+        text += f" cp{self.cp}" if self.cp > 1 else ""
         text += f" acc{self.accumulation_steps}" if self.accumulation_steps > 1 else ""
         if self.pp > 1:
             text += f" {self.pp_schedule}" + (f" m{self.microbatches}" if self.microbatches else "")
@@ -107,14 +109,14 @@ def _checked_checkpointing(mode: object) -> Union[None, str, int]:
 
 def parse_layout(text: str, gpus: Optional[int] = None) -> Layout:
     """The :class:`Layout` that ``text`` describes (:data:`~lightning_hybrid.planner.syntax.LAYOUT_SYNTAX`; what
-    ``str(layout)`` prints reads back equal). Without ``dpN``, dp is ``gpus`` ÷ (tp·pp·rep); without ``zN``,
+    ``str(layout)`` prints reads back equal). Without ``dpN``, dp is ``gpus`` ÷ (tp·pp·rep·cp); without ``zN``,
     HybridStrategy's default level (2 with a pipeline, else 3). Unknown words raise ``ValueError``."""
     values = layout_words(text)
     values.setdefault("zero", default_zero_level(values.get("pp", 1) > 1))
     if "dp" not in values:
-        others = values.get("tp", 1) * values.get("pp", 1) * values.get("dp_replicate", 1)
+        others = values.get("tp", 1) * values.get("pp", 1) * values.get("dp_replicate", 1) * values.get("cp", 1)
         if gpus is None or gpus % others:
-            raise ValueError(f"layout {text!r} has no dpN, and {gpus} GPUs do not split into tp × pp × rep ="
+            raise ValueError(f"layout {text!r} has no dpN, and {gpus} GPUs do not split into tp × pp × rep × cp ="
                              f" {others}")
         values["dp"] = gpus // others
     return Layout(**values)
@@ -159,6 +161,7 @@ class TimeBreakdown:
     memory_bound: float = 0.0  # the part of ``compute`` that memory-bound kernels take
     optimizer: float = 0.0  # AdamW over the rank's shards (on CPU with offload=True)
     experts: float = 0.0  # expert parallelism's all-to-all exchanges (exposed, like TP messages)
+    context: float = 0.0  # context parallelism's all-to-all exchanges and gathers (exposed, like TP messages)
 
 
 @dataclass(frozen=True)

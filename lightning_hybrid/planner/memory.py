@@ -24,6 +24,10 @@ Mixtures of experts: the dense parameters shard over d, each rank's routed exper
 parallelism, whole over tp) over the d/ep ranks holding them; FSDP2 gathers a block's local experts only; a token's
 activations span its k routed (and the shared) experts' widths, plus its k rows as dispatched and as returned.
 
+Context parallelism (cp): each rank's blocks hold ``s / cp`` positions (attention's tensors, in the exchanged head
+layout, as many elements: ÷ cp too), plus one block output gathered whole; the embedding's output, the logits and
+the loss stay whole on every rank; FSDP2 shards over dp × cp.
+
 Activations per block and microbatch: Korthikanti et al. 2022, Table 2, per tensor (so GQA, ``ffn_hidden``, gated
 MLPs fit): with kv_heads = a, ffn = 4h, dropout and materialized scores at 16 bits exactly their
 s·b·h·(10 + 24/t + 5·a·s/(h·t)), 34 + 5·a·s/h at t = 1 (no sequence parallelism). Defaults: no dropout masks
@@ -85,14 +89,15 @@ def _activations(step: StepShape, rank: PipelineRank) -> float:
     full = layer_activation_bytes(*args)
     selective = selective_layer_bytes(*args)
     stored = rank.blocks - rank.recomputed_blocks - rank.selective_blocks
+    cp = step.layout.cp  # each rank's blocks hold their part of the sequence
     per_microbatch = (stored * full + rank.recomputed_blocks * step.residual_bytes
-                      + rank.selective_blocks * selective)
+                      + rank.selective_blocks * selective) / cp
     activations = rank.in_flight * per_microbatch / step.virtual_stages  # per chunk-microbatch
     if rank.recomputed_blocks:
-        activations += full  # the block being recomputed
+        activations += full / cp  # the block being recomputed
     elif rank.selective_blocks:
-        activations += full - selective  # its recomputed rest
-    return activations
+        activations += (full - selective) / cp  # its recomputed rest
+    return activations + (step.residual_bytes if cp > 1 else 0.0)  # a block's output, gathered whole
 
 
 def rank_memory(step: StepShape, rank: PipelineRank) -> MemoryBreakdown:

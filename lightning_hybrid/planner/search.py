@@ -29,28 +29,34 @@ def divisors(n: int) -> list[int]:
 def candidate_layouts(cluster: Cluster, global_batch: int, schedules: Sequence[str] = PLANNED_SCHEDULES,
                       zero_levels: Sequence[int] = (2, 3),
                       checkpointing: Sequence[Union[None, str, int]] = CHECKPOINTING, layers: Optional[int] = None,
-                      options: Optional[Mapping[str, Any]] = None, experts: int = 0) -> list[Layout]:
-    """Every dp_replicate × dp × tp × pp = GPUs with each ZeRO level and checkpointing choice (and, for a model of
-    ``experts`` routed experts, each ep of :func:`expert_degrees`); with pp > 1, each
+                      options: Optional[Mapping[str, Any]] = None, experts: int = 0,
+                      contexts: Sequence[int] = (1,)) -> list[Layout]:
+    """Every dp_replicate × dp × tp × pp × cp = GPUs (cp of ``contexts``) with each ZeRO level and checkpointing
+    choice (and, for a model of ``experts`` routed experts, each ep of :func:`expert_degrees`); with pp > 1, each
     schedule with each microbatch count ≥ pp that divides a replica's batch (the default count if none does) and,
     interleaved, 2 virtual stages (and 3 or 4 where they split ``layers`` evenly); with pp = 1, each
     gradient-accumulation count that divides it (1 written as ``microbatches=None``). ``options``: Layout fields
     every candidate takes (``compile``, ``offload``, ``reduce_dtype``, ``loss_parallel``, ``shard_vocab``)."""
     layouts = []
-    for tp, pp, replicate in itertools.product(divisors(cluster.gpus), repeat=3):
-        if cluster.gpus % (tp * pp * replicate):
+    for tp, pp, replicate, cp in itertools.product(*[divisors(cluster.gpus)] * 3, contexts):
+        if cluster.gpus % (tp * pp * replicate * cp):
             continue
-        dp = cluster.gpus // (tp * pp * replicate)
+        dp = cluster.gpus // (tp * pp * replicate * cp)
         per_replica = global_batch // (dp * replicate) if global_batch % (dp * replicate) == 0 else 0
-        base = Layout(dp=dp, tp=tp, pp=pp, dp_replicate=replicate, **(options or {}))
+        base = Layout(dp=dp, tp=tp, pp=pp, dp_replicate=replicate, cp=cp, **(options or {}))
         if pp > 1:
             variants = pipeline_variants(base, per_replica, schedules, layers)
         else:
             variants = [replace(base, microbatches=k if k > 1 else None) for k in divisors(per_replica) or [1]]
         layouts += [replace(layout, zero=zero, activation_checkpointing=mode, ep=ep)
                     for layout in variants for zero in zero_levels for mode in checkpointing
-                    for ep in expert_degrees(dp, experts)]
+                    for ep in expert_degrees(dp * cp, experts)]
     return layouts
+
+
+def context_degrees(model: ModelShape, gpus: int) -> list[int]:
+    """The cp a long sequence can be split over: divisors of the GPUs that divide the sequence and the heads."""
+    return [cp for cp in divisors(gpus) if model.seq_len % cp == 0 and model.heads % cp == 0]
 
 
 def expert_degrees(dp: int, experts: int) -> list[int]:
@@ -91,12 +97,14 @@ def plan(model: ModelShape, cluster: Cluster, global_batch: int, precision: str 
          options: Optional[Mapping[str, Any]] = None) -> list[Estimate]:
     """Estimate every :func:`candidate_layouts` layout: the feasible ones first, fastest first (ties: fewer
     accumulation steps, less recomputation, less memory, less traffic), then the infeasible ones, those only out of
-    memory first, nearest to fitting first."""
+    memory first, nearest to fitting first. Context parallelism (cp > 1, :func:`context_degrees`) is tried when no
+    layout without it fits (a sequence whose activations no other split brings under the memory)."""
     check_positive_values("plan", global_batch=global_batch)
     check_model_fits_cluster(model, cluster, precision)
-    candidates = candidate_layouts(cluster, global_batch, schedules, zero_levels, checkpointing, model.layers,
-                                   options, model.experts)
-    estimates = [estimate(model, cluster, layout, global_batch, precision) for layout in candidates]
+    estimates = _estimates(model, cluster, global_batch, precision, schedules, zero_levels, checkpointing, options)
+    if not any(e.feasible for e in estimates):
+        estimates = _estimates(model, cluster, global_batch, precision, schedules, zero_levels, checkpointing, options,
+                               context_degrees(model, cluster.gpus))
     # At equal predicted time, fewer accumulation steps: smaller microbatches run less efficiently (not modeled);
     # then less recomputation (without the cluster's memory bandwidth selective checkpointing costs no time).
     feasible = sorted((e for e in estimates if e.feasible),
@@ -105,6 +113,14 @@ def plan(model: ModelShape, cluster: Cluster, global_batch: int, precision: str 
     infeasible = sorted((e for e in estimates if not e.feasible),
                         key=lambda e: (len(e.reasons) - e.out_of_memory, e.memory.total, e.time.step))
     return feasible + infeasible
+
+
+def _estimates(model: ModelShape, cluster: Cluster, global_batch: int, precision: str, schedules: Sequence[str],
+               zero_levels: Sequence[int], checkpointing: Sequence[Union[None, str, int]],
+               options: Optional[Mapping[str, Any]], contexts: Sequence[int] = (1,)) -> list[Estimate]:
+    candidates = candidate_layouts(cluster, global_batch, schedules, zero_levels, checkpointing, model.layers,
+                                   options, model.experts, contexts)
+    return [estimate(model, cluster, layout, global_batch, precision) for layout in candidates]
 
 
 def rank_of(candidate: Estimate, ranked: Sequence[Estimate]) -> Optional[int]:

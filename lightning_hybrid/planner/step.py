@@ -74,15 +74,20 @@ class StepShape:
         return self.global_batch * self.model.seq_len / (self.layout.dp * self.layout.dp_replicate)
 
     @property
+    def shard_ranks(self) -> int:
+        """The ranks FSDP2 shards a stage's parameters over: dp × cp (the cp ranks of a sequence shard them too)."""
+        return self.layout.dp * self.layout.cp
+
+    @property
     def expert_data_ranks(self) -> int:
-        """The ranks FSDP2 shards each routed expert over: dp ÷ ep (each holds other experts than the rest)."""
-        return max(1, self.layout.dp // self.layout.ep)  # (an ep dp cannot hold is refused: cost.py)
+        """The ranks FSDP2 shards each routed expert over: dp·cp ÷ ep (each holds other experts than the rest)."""
+        return max(1, self.shard_ranks // self.layout.ep)  # (an ep dp cannot hold is refused: cost.py)
 
     def sharded(self, local: float, rank: "PipelineRank") -> float:
-        """``local`` parameters of ``rank`` (one tp rank's) after FSDP2's sharding: the dense ones over dp, the
+        """``local`` parameters of ``rank`` (one tp rank's) after FSDP2's sharding: the dense ones over dp·cp, the
         rank's routed experts over the ranks holding the same experts."""
         experts = rank.blocks * self.expert_local_parameters
-        return (local - experts) / self.layout.dp + experts / self.expert_data_ranks
+        return (local - experts) / self.shard_ranks + experts / self.expert_data_ranks
 
     @property
     def all_microbatches(self) -> int:
@@ -104,7 +109,7 @@ def describe_step(model: ModelShape, cluster: Cluster, layout: Layout, schedule:
                      expert_local_parameters=experts,
                      vocab_shards=layout.tp if layout.shard_vocab and model.vocab % layout.tp == 0 else 1,
                      # FSDP2 is left out on one data-parallel rank except for what only it provides (parallelize.py)
-                     fsdp=layout.dp * layout.dp_replicate > 1 or precision == "bf16-mixed" or layout.offload,
+                     fsdp=layout.dp * layout.cp * layout.dp_replicate > 1 or precision == "bf16-mixed" or layout.offload,
                      fused=model.fused_elementwise or layout.compile)
 
 

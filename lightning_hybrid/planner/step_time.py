@@ -20,7 +20,9 @@ table split across stages adds an all-reduce of its gradient between the two sta
 Mixtures of experts: FLOPs follow the parameters a token computes with (its k routed experts); expert parallelism
 moves a block's routed experts to units of their own, gathered and reduced over the d/ep ranks holding them
 (ep·t apart), computes them whole on every tp rank, and adds the all-to-all exchanges (:func:`_all_to_all`, exposed
-like TP messages). ``offload=True`` adds the host copies (each gather's shard in, each reduced gradient shard out, over
+like TP messages). Context parallelism (cp): a rank's blocks compute and move ÷ cp (its positions; attention on
+all positions for its heads' share), the head and loss whole; FSDP2 shards over dp × cp; the exchange
+(:func:`_context`) is exposed like TP messages. ``offload=True`` adds the host copies (each gather's shard in, each reduced gradient shard out, over
 ``host_bandwidth``) and runs AdamW on the CPU (``host_memory_bandwidth``). Links: mesh pp × dp_replicate ×
 dp_shard × tp (tp innermost); a dimension uses NVLink iff each of its groups lies in one node. Every message also
 costs the cluster's ``latency`` α: TP one all-reduce per block, pass and microbatch, PP two messages per
@@ -48,6 +50,7 @@ class RankTimes(NamedTuple):
     exposed: float  # the part of it that shows
     optimizer: float
     experts: float = 0.0  # expert parallelism's all-to-all exchanges
+    context: float = 0.0  # context parallelism's all-to-all exchanges and gathers
 
 
 def ring(bytes_moved: float, size: int, bandwidth: float, all_reduce: bool = False) -> float:
@@ -64,12 +67,13 @@ def _compute(step: StepShape, rank: PipelineRank) -> tuple[float, float]:
     # the routed experts' FLOPs are split over tp, or (expert parallelism) computed whole on every tp rank
     block_flops = dense_flops / t + 2 * routed / (1 if step.layout.ep > 1 else t)
     passes = 3 * rank.blocks + rank.recomputed_blocks
-    flops = step.tokens * (passes * block_flops + rank.last * 3 * 2 * vocab_local * model.hidden)
+    cp = step.layout.cp  # a rank's blocks compute its s/cp positions (its heads' share of attention); the head all
+    flops = step.tokens * (passes * block_flops / cp + rank.last * 3 * 2 * vocab_local * model.hidden)
     matmuls = flops / (cluster.peak_flops * cluster.efficiency)
     if cluster.memory_bandwidth is None:
         return matmuls, 0.0
     repeats = (1 + BACKWARD_PER_FORWARD) * rank.blocks + rank.recomputed_blocks + rank.selective_blocks
-    per_token = repeats * block_elementwise_bytes(model, t, step.bytes.compute, step.fused)
+    per_token = repeats * block_elementwise_bytes(model, t, step.bytes.compute, step.fused) / cp
     per_token += rank.last * loss_bytes_per_token(vocab_local, step.bytes.compute)
     moved = step.tokens * per_token
     if step.schedule is not None:
@@ -84,7 +88,7 @@ def _tensor_parallel(step: StepShape, rank: PipelineRank, activation_bytes: floa
         return 0.0
     link, alpha, microbatches = cluster.link_bandwidth(t, 1), cluster.latency, step.all_microbatches
     all_reduces = 4 * rank.blocks + 2 * rank.recomputed_blocks  # 2 forward (+2 recomputed), 2 backward
-    seconds = all_reduces * (ring(activation_bytes, t, link, True) + microbatches * alpha)
+    seconds = all_reduces * (ring(activation_bytes / step.layout.cp, t, link, True) + microbatches * alpha)
     if step.vocab_shards > 1:  # the embedding's output and the head's input gradient all-reduced
         seconds += (rank.first + rank.last) * (ring(activation_bytes, t, link, True) + microbatches * alpha)
         if step.layout.loss_parallel:  # the loss's maximum and sum per token over the vocabulary shards
@@ -99,7 +103,7 @@ def _pipeline(step: StepShape, activation_bytes: float) -> float:
     layout, cluster = step.layout, step.cluster
     if layout.pp == 1:
         return 0.0
-    link = cluster.link_bandwidth(layout.pp, layout.dp_replicate * layout.dp * layout.tp)
+    link = cluster.link_bandwidth(layout.pp, layout.dp_replicate * layout.dp * layout.cp * layout.tp)
     chunk_microbatches = step.all_microbatches * step.virtual_stages
     return 2 * step.virtual_stages * activation_bytes / link + 2 * chunk_microbatches * cluster.latency
 
@@ -118,6 +122,24 @@ def _all_to_all(step: StepShape, rank: PipelineRank) -> float:
     return exchanges * (rows * (layout.ep - 1) / layout.ep / link + step.all_microbatches * cluster.latency)
 
 
+def _context(step: StepShape, rank: PipelineRank) -> float:
+    """Context parallelism, per block and microbatch: queries, keys, values and the attention output exchanged
+    all-to-all (this rank's positions of its tp heads ↔ all positions of 1/cp of them), forward and backward (a
+    recomputed block repeats its forward's four), (cp − 1)/cp of each crossing the cp group's links (ranks tp apart);
+    the block's output all-gathered whole and its input's gradient in backward, (cp − 1)/cp × b·s·h each."""
+    layout, model, cluster = step.layout, step.model, step.cluster
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    link, alpha = cluster.link_bandwidth(cp, layout.tp), cluster.latency
+    per_token = (2 * model.hidden + 2 * model.kv_heads * (model.hidden // model.heads)) / layout.tp
+    exchanged = step.tokens / cp * per_token * step.bytes.compute * (cp - 1) / cp / link
+    gathered = ring(step.tokens * model.hidden * step.bytes.compute, cp, link)
+    passes = 2 * rank.blocks + rank.recomputed_blocks
+    return (passes * exchanged + 2 * rank.blocks * gathered
+            + (4 * passes + 2 * rank.blocks) * step.all_microbatches * alpha)
+
+
 def _gathers_and_reductions(step: StepShape, local: float, ranks: int, stride: int, units: int) -> tuple[float, float]:
     """Seconds of FSDP2's all-gathers and reduce-scatters of ``local`` parameters over ``ranks`` ``stride`` apart."""
     layout, sizes, cluster = step.layout, step.bytes, step.cluster
@@ -132,7 +154,7 @@ def _gathers_and_reductions(step: StepShape, local: float, ranks: int, stride: i
 def _data_parallel(step: StepShape, rank: PipelineRank, compute: float) -> tuple[float, float]:
     """(all data-parallel traffic, the exposed part) in seconds."""
     cluster, layout, sizes = step.cluster, step.layout, step.bytes
-    d, r, t, p = layout.dp, layout.dp_replicate, layout.tp, layout.pp
+    d, r, t, p = step.shard_ranks, layout.dp_replicate, layout.tp, layout.pp  # FSDP2 shards over dp × cp
     local, alpha = rank.local_parameters(step), cluster.latency
     syncs = step.microbatches if p == 1 else step.pipeline_steps  # FSDP2 per accumulation step; pipeline per step
     gather_passes = 2 * step.all_microbatches if layout.zero == 3 else syncs
@@ -173,4 +195,5 @@ def rank_times(step: StepShape, rank: PipelineRank) -> RankTimes:
     compute, memory_bound = _compute(step, rank)
     data, exposed = _data_parallel(step, rank, compute)
     return RankTimes(compute, memory_bound, _tensor_parallel(step, rank, activation_bytes),
-                     _pipeline(step, activation_bytes), data, exposed, _optimizer(step, rank), _all_to_all(step, rank))
+                     _pipeline(step, activation_bytes), data, exposed, _optimizer(step, rank), _all_to_all(step, rank),
+                     _context(step, rank))

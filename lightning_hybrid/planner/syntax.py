@@ -14,11 +14,13 @@ from typing import Any
 
 from lightning_hybrid.options.schedules import SCHEDULES
 
-_DEGREES = {"dp": "dp", "tp": "tp", "pp": "pp", "rep": "dp_replicate", "ep": "ep", "acc": "accumulate", "m": "microbatches",
+_DEGREES = {"dp": "dp", "tp": "tp", "pp": "pp", "rep": "dp_replicate", "ep": "ep", "cp": "cp", "acc": "accumulate",
+            "m": "microbatches",
             "v": "virtual_stages", "z": "zero"}
 _FLAGS = {"whole-vocab": ("shard_vocab", False), "compile": ("compile", True), "offload": ("offload", True),
           "loss-parallel": ("loss_parallel", True)}
-LAYOUT_SYNTAX = ("words separated by spaces: dpN tpN ppN repN (dp_replicate) epN (experts over N dp ranks) accN (accumulate_grad_batches) mN"
+LAYOUT_SYNTAX = ("words separated by spaces: dpN tpN ppN repN (dp_replicate) epN (experts over N dp ranks) cpN"
+                 " (each sequence over N ranks) accN (accumulate_grad_batches) mN"
                  " (microbatches) vN (virtual stages) zN (ZeRO level), a pp_schedule name, ac | ac=selective | ac=N |"
                  " ac=none, whole-vocab, compile, offload, loss-parallel, reduce=bf16")
 
@@ -33,7 +35,7 @@ def layout_words(text: str) -> dict[str, Any]:
 
 
 def _read_word(word: str, text: str) -> dict[str, Any]:
-    match = re.fullmatch(r"(dp|tp|pp|rep|ep|acc|m|v|z)(\d+)", word)
+    match = re.fullmatch(r"(dp|tp|pp|rep|ep|cp|acc|m|v|z)(\d+)", word)
     if match:
         return {_DEGREES[match[1]]: int(match[2])}
     if word.replace("-", "_") in SCHEDULES:

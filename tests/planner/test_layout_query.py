@@ -34,7 +34,7 @@ def test_left_out_words_take_the_strategys_defaults() -> None:
     assert parse_layout("TP2, acc4", gpus=8) == Layout(dp=4, tp=2, zero=3, microbatches=4)  # pp = 1: accumulation
     with pytest.raises(ValueError, match="cannot read 'mb4'. A layout is written as words"):
         parse_layout("dp2 mb4")
-    with pytest.raises(ValueError, match="12 GPUs do not split into tp × pp × rep = 8"):
+    with pytest.raises(ValueError, match="12 GPUs do not split into tp × pp × rep × cp = 8"):
         parse_layout("tp8", gpus=12)
 
 
