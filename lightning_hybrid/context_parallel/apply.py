@@ -7,7 +7,9 @@ checkpointing, applied later as a subclass of that one, saves the parts and rout
 its outputs on exit (:func:`~.exchange.gather_sequence`). Between blocks and around them the model computes on the whole sequence, so
 stage boundaries, stand-ins, the head and the loss see what they see without context parallelism. A meta-device
 call (a pipeline's shape pass) runs the block whole: the shapes are the same; so does every call while the group
-is disabled (``group.enabled = False``: the setup check's whole run).
+is disabled (``group.enabled = False``: the setup check's whole run), and, with a warning, a call that cannot be
+split as planned (a sequence length the ranks cannot share equally, other arguments than at setup): every rank of
+the group has the same call, so all run it whole, and the numbers stay right.
 
 Example::
 
@@ -18,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Sequence, Union
 
@@ -25,7 +28,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid._compat import tree_flatten, tree_unflatten
 from lightning_hybrid.context_parallel.attention import ExchangedAttention, routed_attention
-from lightning_hybrid.context_parallel.exchange import ContextGroup, gather_sequence, split_sequence
+from lightning_hybrid.context_parallel.exchange import ContextGroup, gather_sequence, running_whole, split_sequence
 from lightning_hybrid.context_parallel.plan import BlockPlan, plan_block
 from lightning_hybrid.probe.blocks import BlockList, block_structures
 from lightning_hybrid.probe.record import BlockCall
@@ -100,10 +103,12 @@ def _install(block: nn.Module, name: str, plan: BlockPlan, group: ContextGroup) 
         own_forward = type(block).forward  # the class's: a checkpointed one's recompute routes attention again
         if not group.enabled or any(isinstance(x, Tensor) and x.is_meta for x in leaves):
             return own_forward(block, *args, **kwargs)
-        if len(leaves) != plan.leaves:
-            raise RuntimeError(f"HybridStrategy(cp={group.size}): '{name}' was called with {len(leaves)} values, but"
-                               f" context parallelism planned it at setup for the {plan.leaves} of its first call."
-                               " Call the block the same way every time, or use cp=1.")
+        unsplittable = _unsplittable(leaves, plan, group.size)
+        if unsplittable:  # every rank of the group has this call (same samples): all run it whole
+            _warn_once(group, f"HybridStrategy(cp={group.size}): '{name}' ran whole on every cp rank: {unsplittable}."
+                              " The numbers are right; the memory is not divided.")
+            with running_whole(group):
+                return own_forward(block, *args, **kwargs)
         local = [split_sequence(x, plan.split[i], group) if i in plan.split else x for i, x in enumerate(leaves)]
         local_args, local_kwargs = tree_unflatten(local, spec)
         output = own_forward(block, *local_args, **local_kwargs)
@@ -112,6 +117,23 @@ def _install(block: nn.Module, name: str, plan: BlockPlan, group: ContextGroup) 
                                for i, x in enumerate(out_leaves)], out_spec)
 
     block.forward = forward  # an instance attribute: split and gather stay outside what later steps wrap
+
+
+def _unsplittable(leaves: list, plan: BlockPlan, size: int) -> str:
+    """Why this call cannot be split as planned ("" if it can)."""
+    if len(leaves) != plan.leaves:
+        return f"it was called with {len(leaves)} values, planned at setup for the {plan.leaves} of its first call"
+    odd = {leaves[i].shape[dim] for i, dim in plan.split.items() if leaves[i].shape[dim] % size}
+    if odd:
+        return (f"a sequence of {min(odd)} positions does not split into {size} equal parts (pad sequences to a"
+                f" multiple of {size})")
+    return ""
+
+
+def _warn_once(group: ContextGroup, message: str) -> None:
+    if message not in group.warned:
+        group.warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 _ROUTED_CLASSES: dict[type, type] = {}

@@ -15,6 +15,12 @@ cross-attention, is cut to those heads), calls the attention (masks, causality, 
 on the whole sequence) and turns the result back. Key/value heads that do not divide by ``N`` (grouped-query
 attention under tp) are repeated to the query heads first.
 
+Why this exchange (DeepSpeed-Ulysses') and not ring attention: it calls the model's own attention, whatever its
+kernel, mask or window (torch's ``context_parallel`` ring attention dispatches only CUDA SDPA kernels, so it could
+neither run nor be tested here on CPU, nor serve eager or masked attention); each rank computes every position of
+its heads, so a causal triangle costs every rank the same and needs no load balancing; its bytes per rank fall
+with cp (4 × b·s·h / cp each way, forward). What it needs: query heads (per tp rank) divisible by cp.
+
 :class:`AttentionCalls` is the same interception for the setup check (:mod:`.plan`): it records each call of the
 unsplit block, then answers a part's run with the recorded result, checking what the part passed.
 

@@ -26,8 +26,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,12 +48,23 @@ class ContextGroup:
     size: int
     bytes_sent: dict[str, int] = field(default_factory=lambda: {"all_to_all": 0, "all_gather": 0})
     enabled: bool = True
+    warned: set[str] = field(default_factory=set)  # what the blocks warned about once
 
     def count(self, kind: str, tensor: Tensor) -> None:
         """Note what one collective sent to the other ranks: ``(N - 1) / N`` of an all-to-all's input, the whole
         part of an all-gather to each of ``N - 1`` ranks."""
         size = tensor.numel() * tensor.element_size()
         self.bytes_sent[kind] += size * (self.size - 1) // self.size if kind == "all_to_all" else size * (self.size - 1)
+
+
+@contextlib.contextmanager
+def running_whole(group: ContextGroup) -> Iterator[None]:
+    """Within it, the group's blocks run whole (every rank of the group the same call, as without cp)."""
+    group.enabled = False
+    try:
+        yield
+    finally:
+        group.enabled = True
 
 
 def part(tensor: Tensor, dim: int, group: ContextGroup) -> Tensor:

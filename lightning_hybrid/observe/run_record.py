@@ -114,7 +114,7 @@ def layout_figures(trainer: pl.Trainer) -> dict[str, Any]:
     figures: dict[str, Any] = {"layout/world_size": trainer.world_size}
     if dims is not None:
         figures.update({"layout/dp": dims.dp, "layout/dp_replicate": dims.dp_replicate, "layout/tp": dims.tp,
-                        "layout/pp": dims.pp})
+                        "layout/pp": dims.pp, "layout/ep": dims.ep, "layout/cp": dims.cp})
     if options is not None:
         schedule = options.pipeline_schedule
         plan = options.checkpointing

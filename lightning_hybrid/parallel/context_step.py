@@ -20,7 +20,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_hybrid.context_parallel.apply import AppliedContext, install_context_parallel, plan_context_parallel
 from lightning_hybrid.context_parallel.escapes import find_escapes
-from lightning_hybrid.context_parallel.exchange import ContextGroup
+from lightning_hybrid.context_parallel.exchange import ContextGroup, running_whole
 from lightning_hybrid.mesh import CONTEXT, ParallelDims
 from lightning_hybrid.pipeline.verify import NoDropout, checkable, tolerance
 from lightning_hybrid.probe.blocks import BlockList
@@ -60,11 +60,8 @@ def check_step(group: ContextGroup, probe: StepProbe, allowed: float) -> None:
     checked one by one, and what leaves them other than through their outputs found: this checks the whole)."""
     start = time.perf_counter()
     with probe.isolated(), torch.no_grad(), NoDropout():
-        group.enabled = False
-        try:
+        with running_whole(group):
             whole = _loss(probe.run_on(probe.step))
-        finally:
-            group.enabled = True
         split = _loss(probe.run_on(probe.step))
     if whole is None or split is None:
         rank_zero_info("HybridStrategy: the step returns no loss tensor; cp checked block by block only")

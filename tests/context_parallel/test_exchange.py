@@ -75,7 +75,43 @@ def test_split_and_gather_give_the_whole_sequence_and_its_gradient_on_every_rank
         assert results[rank]["bytes"] == BATCH * (LENGTH // 2) * DIM * 4  # its part, to the one other rank
 
 
-def test_a_sequence_the_ranks_cannot_share_equally_names_the_fix() -> None:
+def test_a_sequence_split_into_unequal_parts_is_refused_naming_the_fix() -> None:
     group = ContextGroup(None, 0, 4)
     with pytest.raises(ValueError, match=r"got a sequence of 10 positions. Pad the sequences to a multiple of 4"):
         split_sequence(torch.zeros(1, 10, 2), 1, group)
+
+
+def _installed_block(rank: int, results: dict) -> None:
+    import copy
+    import warnings
+
+    from torch import nn
+
+    from lightning_hybrid.context_parallel.apply import install_context_parallel, plan_context_parallel
+    from lightning_hybrid.probe.blocks import BlockList
+    from tests.context_parallel.test_plan import _Block, _custom_call
+
+    torch.manual_seed(0)
+    block = _Block()
+    reference = copy.deepcopy(block)
+    blocks = BlockList("layers", nn.ModuleList([block]))
+    install_context_parallel(plan_context_parallel(blocks, {0: _custom_call()}, 2), blocks, [0], _group(rank))
+    found = {}
+    for length in (12, 13):  # 13 positions do not split into 2 equal parts
+        torch.manual_seed(length)
+        hidden, angles = torch.randn(2, length, 16), torch.randn(length, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            difference = (block(hidden, angles) - reference(hidden, angles)).abs().max().item()
+        found[length] = (difference, [str(warning.message) for warning in caught])
+    results[rank] = found
+
+
+def test_an_installed_block_equals_the_whole_block_and_runs_whole_a_length_it_cannot_split() -> None:
+    results = on_two_ranks(_installed_block)
+    for rank in (0, 1):
+        (split, none), (whole, warned) = results[rank][12], results[rank][13]
+        assert split < 1e-5 and whole < 1e-6 and not none
+        assert warned == ["HybridStrategy(cp=2): 'layers.0' ran whole on every cp rank: a sequence of 13 positions"
+                          " does not split into 2 equal parts (pad sequences to a multiple of 2). The numbers are"
+                          " right; the memory is not divided."]
