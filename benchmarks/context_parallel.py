@@ -2,8 +2,10 @@
 the collectives' bytes against the minimum of the exchange; step time at cp2 against cp1.
 
 The main recipe's GPT (``recipes/gpt.py``: learned positions, ``F.scaled_dot_product_attention``, 2 blocks of width
-64 and 4 heads, vocabulary 64) trains one sequence per step on one process (cp1, ``HybridStrategy()``) and on
-``cp`` processes (``HybridStrategy(cp=N)``) at each ``--lengths``. Measured on the third step of each run:
+64 and 4 heads, vocabulary 64), or with ``--model hf_llama`` an unmodified Hugging Face ``LlamaForCausalLM`` of the
+same sizes (2 key/value heads, rotary positions, its sdpa attention through its attention interface), trains one
+sequence per step on one process (cp1, ``HybridStrategy()``) and on ``cp`` processes (``HybridStrategy(cp=N)``) at
+each ``--lengths``. Measured on the third step of each run:
 
 * **activation peak** per rank (``benchmarks/memory.py``'s ``ActivationTracker``: every byte autograd and the step
   allocate besides parameters, gradients and optimizer state), against the theory: the blocks' activations divide
@@ -12,7 +14,8 @@ The main recipe's GPT (``recipes/gpt.py``: learned positions, ``F.scaled_dot_pro
   stay whole on every rank;
 * **bytes** the collectives are handed (:class:`~lightning_hybrid.observe.counting.StepCounter`, forward and
   backward): ``all_to_all`` against the exchange's minimum (per block, q, k, v and the attention output, each
-  ``S/cp × width`` floats, there and back in backward: ``8 × S/cp × width × 4`` bytes), ``all_gather`` against the
+  ``S/cp × width`` floats — keys and values ``kv_heads / heads`` of that when cp divides their heads — forward and
+  backward: ``8 × S/cp × width × 4`` bytes for the GPT), ``all_gather`` against the
   blocks' outputs gathered and their inputs' gradients gathered in backward (``2 × S × width × 4`` per block) plus
   FSDP2's parameter gathers (ZeRO-3 over the cp ranks: the blocks' in forward and again in backward, the rest once);
 * the **step time** (median of the steps after the first two), and its ratio to cp1 at the same length.
@@ -21,6 +24,7 @@ Usage::
 
     python benchmarks/context_parallel.py                               # 1k..16k positions, cp 1 and 2
     python benchmarks/context_parallel.py --lengths 1024,4096 --cp 2,4 --json results.json
+    python benchmarks/context_parallel.py --model hf_llama --lengths 4096,16384     # theory: the GPT's only
 """
 
 from __future__ import annotations
@@ -55,23 +59,57 @@ def theory(length: int, cp: int) -> dict[str, float]:
     return {"blocks": LAYERS * block, "whole": whole, "total": LAYERS * block + whole}
 
 
-def minimum_bytes(length: int, cp: int, gathered_parameters: int) -> dict[str, int]:
+def minimum_bytes(length: int, cp: int, gathered_parameters: int, kv_heads: int = HEADS) -> dict[str, int]:
     """What the collectives must be handed per step (module docstring); ``gathered_parameters``: FSDP2's share, the
-    parameters outside the blocks gathered once (the root stays gathered for backward), the blocks' twice."""
+    parameters outside the blocks gathered once (the root stays gathered for backward), the blocks' twice; keys and
+    values are ``kv_heads`` wide, repeated to the query heads when cp does not divide them."""
     if cp == 1:
         return {"all_to_all": 0, "all_gather": 0}
-    return {"all_to_all": LAYERS * 8 * (length // cp) * WIDTH * FP32,
+    kv_width = WIDTH * (kv_heads if kv_heads % cp == 0 else HEADS) // HEADS
+    per_position = 2 * WIDTH + 2 * kv_width  # q and the output, k and v
+    return {"all_to_all": LAYERS * 2 * (length // cp) * per_position * FP32,
             "all_gather": LAYERS * 2 * length * WIDTH * FP32 + gathered_parameters * FP32}
 
 
-def measure(length: int, cp: int) -> dict[str, Any]:
-    """One rank of a fit at ``length`` positions and ``cp``: the measured step's figures."""
+def measure(model: str, length: int, cp: int) -> dict[str, Any]:
+    """One rank of a fit of ``model`` at ``length`` positions and ``cp``: the measured step's figures."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _measure(length, cp)
+        return _measure(model, length, cp)
 
 
-def _measure(length: int, cp: int) -> dict[str, Any]:
+def _module(model: str, length: int) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    if model == "gpt":
+        from recipes.gpt import GPTConfig, GPTLightning
+
+        return GPTLightning(GPTConfig(vocab_size=VOCAB, block_size=length, n_layer=LAYERS, n_head=HEADS,
+                                      n_embd=WIDTH), warmup_steps=1, max_steps=STEPS)
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Llama(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=length,
+                attn_implementation="sdpa", use_cache=False))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            inputs, targets = batch
+            return F.cross_entropy(self.model(inputs).logits.flatten(0, 1), targets.flatten())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Llama()
+
+
+def _measure(model: str, length: int, cp: int) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -79,11 +117,8 @@ def _measure(length: int, cp: int) -> dict[str, Any]:
     from benchmarks.memory import make_probe
     from lightning_hybrid import HybridStrategy
     from lightning_hybrid.observe.counting import StepCounter
-    from recipes.gpt import GPTConfig, GPTLightning
 
-    torch.manual_seed(0)
-    module = GPTLightning(GPTConfig(vocab_size=VOCAB, block_size=length, n_layer=LAYERS, n_head=HEADS,
-                                    n_embd=WIDTH), warmup_steps=1, max_steps=STEPS)
+    module = _module(model, length)
     tokens = torch.randint(0, VOCAB, (STEPS, length + 1))
     memory: list[dict[str, Any]] = []
     timer = _Timer(StepCounter(module))
@@ -93,7 +128,8 @@ def _measure(length: int, cp: int) -> dict[str, Any]:
                          callbacks=[make_probe(memory.append), timer])
     trainer.fit(module, DataLoader(TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()),
                                    batch_size=1))
-    in_blocks = sum(p.numel() for p in module.model.blocks.parameters())  # global sizes (DTensors under FSDP2)
+    blocks = module.model.blocks if model == "gpt" else module.model.model.layers
+    in_blocks = sum(p.numel() for p in blocks.parameters())  # global sizes (DTensors under FSDP2)
     outside = sum(p.numel() for p in module.parameters()) - in_blocks
     return {"activation_peak": memory[0]["activation_peak"], "bytes": timer.bytes,
             "gathered_parameters": outside + 2 * in_blocks, "step_s": statistics.median(timer.seconds[MEASURED:])}
@@ -130,35 +166,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     parser.add_argument("--cp", default="2", help="context-parallel degrees besides 1")
+    parser.add_argument("--model", choices=("gpt", "hf_llama"), default="gpt")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--worker", help="LENGTH,CP: one rank's measurement (internal)")
+    parser.add_argument("--worker", help="MODEL,LENGTH,CP: one rank's measurement (internal)")
     parser.add_argument("--devices", type=int)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.worker:
-        length, cp = (int(value) for value in args.worker.split(","))
-        save_rank_result(args.out, measure(length, cp))
+        model, length, cp = args.worker.split(",")
+        save_rank_result(args.out, measure(model, int(length), int(cp)))
         return
     lengths, degrees = [int(v) for v in args.lengths.split(",")], [1, *(int(v) for v in args.cp.split(","))]
-    results = {(length, cp): launch_ranks(Path(__file__), ["--worker", f"{length},{cp}"], world=cp).ranks
+    results = {(length, cp): launch_ranks(Path(__file__), ["--worker", f"{args.model},{length},{cp}"], world=cp).ranks
                for length in lengths for cp in degrees}
-    print(report(results, lengths, degrees))
+    print(report(results, lengths, degrees, theory_known=args.model == "gpt"))
     if args.json:
         args.json.write_text(json.dumps({f"{length},{cp}": ranks for (length, cp), ranks in results.items()}))
 
 
-def report(results: dict[tuple[int, int], list[dict[str, Any]]], lengths: list[int], degrees: list[int]) -> str:
-    """The Markdown table: per length and cp, rank 0's figures next to the theory and the minimum."""
+def report(results: dict[tuple[int, int], list[dict[str, Any]]], lengths: list[int], degrees: list[int],
+           theory_known: bool = True) -> str:
+    """The Markdown table: per length and cp, rank 0's figures next to the theory (the GPT's) and the minimum."""
     rows = []
     for length in lengths:
         base = results[(length, 1)][0]
         for cp in degrees:
             rank = results[(length, cp)][0]
             expected = theory(length, cp)
-            minimum = minimum_bytes(length, cp, rank["gathered_parameters"])
-            rows.append([length, cp, f"{rank['activation_peak'] / MiB:.1f}", f"{expected['total'] / MiB:.1f}",
+            minimum = minimum_bytes(length, cp, rank["gathered_parameters"], 4 if theory_known else 2)
+            known = lambda text: text if theory_known else "-"  # noqa: E731
+            rows.append([length, cp, f"{rank['activation_peak'] / MiB:.1f}", known(f"{expected['total'] / MiB:.1f}"),
                          f"{rank['activation_peak'] / base['activation_peak']:.2f}",
-                         f"{expected['total'] / theory(length, 1)['total']:.2f}",
+                         known(f"{expected['total'] / theory(length, 1)['total']:.2f}"),
                          f"{rank['bytes'].get('all_to_all', 0) / MiB:.2f} / {minimum['all_to_all'] / MiB:.2f}",
                          f"{rank['bytes'].get('all_gather', 0) / MiB:.2f} / {minimum['all_gather'] / MiB:.2f}",
                          f"{rank['step_s']:.3f}", f"{rank['step_s'] / base['step_s']:.2f}"])

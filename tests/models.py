@@ -440,6 +440,8 @@ class LMLightningModule(pl.LightningModule):
         left_padding: Treat each sample's first ``tokens[0] % 4`` positions as left padding (a Hugging Face model):
             ``attention_mask`` passed to the model, the padded targets ignored by the loss (its mean over the
             remaining tokens), as a padded batch of unequal lengths.
+        ignore_padded: With ``left_padding``, ``False`` keeps the padded positions' targets in the loss (a mean over
+            every token, which microbatching does not change).
     """
 
     def __init__(
@@ -458,6 +460,7 @@ class LMLightningModule(pl.LightningModule):
         sync_loss: bool = True,
         freeze: tuple[str, ...] = (),
         left_padding: bool = False,
+        ignore_padded: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -528,7 +531,7 @@ class LMLightningModule(pl.LightningModule):
         inputs, targets = batch
         logits = self(inputs)
         mask = self._attention_mask(inputs)
-        if mask is not None:  # the padded positions' targets ignored: the mean is over the others
+        if mask is not None and self.hparams.get("ignore_padded", True):  # the mean over the unpadded targets
             targets = targets.masked_fill(mask == 0, -100)
         if accuracy is not None:
             accuracy(logits.argmax(-1).reshape(-1), targets.reshape(-1))

@@ -49,6 +49,8 @@ HF_ATTENTION = "lightning_hybrid_context_parallel"
 _HANDLERS: list["AttentionHandler"] = []
 _ORIGINAL: dict[int, str] = {}
 _INSIDE_HF = [0]
+#: ``F.scaled_dot_product_attention``'s arguments after the queries, keys and values, in order.
+_SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 class AttentionHandler:
@@ -124,7 +126,8 @@ class _SdpaMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and not _INSIDE_HF[0]:
-            return self.handler.sdpa(*args, **kwargs)
+            query, key, value, *rest = args  # the options by name (a mask may be passed by position)
+            return self.handler.sdpa(query, key, value, **dict(zip(_SDPA_OPTIONS, rest)), **kwargs)
         return func(*args, **kwargs)
 
 

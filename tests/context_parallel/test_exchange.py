@@ -92,7 +92,7 @@ def _installed_block(rank: int, results: dict) -> None:
     from tests.context_parallel.test_plan import _Block, _custom_call
 
     torch.manual_seed(0)
-    block = _Block()
+    block = _Block(positional=True)  # the mask, dropout and causality passed by position
     reference = copy.deepcopy(block)
     blocks = BlockList("layers", nn.ModuleList([block]))
     install_context_parallel(plan_context_parallel(blocks, {0: _custom_call()}, 2), blocks, [0], _group(rank))

@@ -33,11 +33,12 @@ def _first_call(model: nn.Module, layer: nn.Module, *inputs: Tensor) -> tuple:
 
 class _Block(nn.Module):
     """Attention by ``F.scaled_dot_product_attention`` (rotary angles handed in), then an MLP; ``mix`` adds a causal
-    convolution over time before the attention, ``positions`` computes the rotary angles itself from ``arange``."""
+    convolution over time before the attention, ``positions`` computes the rotary angles itself from ``arange``,
+    ``positional`` passes the attention's options by position."""
 
-    def __init__(self, mix: bool = False, positions: bool = False, heads: int = 4) -> None:
+    def __init__(self, mix: bool = False, positions: bool = False, heads: int = 4, positional: bool = False) -> None:
         super().__init__()
-        self.heads, self.positions = heads, positions
+        self.heads, self.positions, self.positional = heads, positions, positional
         self.qkv, self.out, self.mlp = nn.Linear(16, 48), nn.Linear(16, 16), nn.Linear(16, 16)
         self.conv = nn.Conv1d(16, 16, 3, padding=2, groups=16) if mix else None
 
@@ -48,7 +49,10 @@ class _Block(nn.Module):
             angles = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * torch.ones(1, 16 // self.heads)
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
         q, k = q * angles.cos(), k * angles.cos()
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.positional:
+            y = F.scaled_dot_product_attention(q, k, v, None, 0.0, True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.out(y.transpose(1, 2).flatten(2))
         return x + self.mlp(x)
 
@@ -73,8 +77,9 @@ def test_a_hugging_face_decoder_layer_is_split_with_its_rotary_tables_and_mask_w
     assert plan.gather == {0: 1}
 
 
-def test_a_custom_block_calling_scaled_dot_product_attention_is_split() -> None:
-    plan = plan_block(_Block(), _custom_call(), parts=4)
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_custom_block_calling_scaled_dot_product_attention_is_split(positional: bool) -> None:
+    plan = plan_block(_Block(positional=positional), _custom_call(), parts=4)
     assert isinstance(plan, BlockPlan) and plan.split == {0: 1, 1: 0} and plan.gather == {0: 1} and plan.checked
 
 

@@ -1,6 +1,6 @@
 """Context parallelism in training, against single-process Lightning: a Llama-style decoder with grouped-query
-attention and rotary positions (Hugging Face's, eager attention through its attention interface, and a custom one
-calling ``F.scaled_dot_product_attention``), sliding-window attention (Qwen2), left-padded batches (an attention
+attention and rotary positions (Hugging Face's, eager and sdpa attention through its attention interface, and a
+custom one calling ``F.scaled_dot_product_attention``), sliding-window attention (Qwen2), left-padded batches (an
 mask, the padded targets ignored by the loss), a state-space model kept whole, Mixtral (its load-balancing loss,
 read through hooks inside the blocks, keeps them whole), activation checkpointing and a meta-device model — under
 cp2, cp4, dp2 × cp2, cp2 × tp2 and cp2 × pp2."""
@@ -21,6 +21,10 @@ SLIDING = {"model": "hf_qwen2", "module": {"config": {"use_sliding_window": True
 #: Hugging Face Llama given an attention mask of left padding (0 to 3 positions per sample), the padded targets
 #: ignored: the loss is the mean over the others.
 PADDED = {"model": "hf_llama", "module": {"left_padding": True}}
+#: The same with every target in the loss (a mean over all tokens): what a pipeline's microbatches do not change.
+PADDED_MASK_ONLY = {"model": "hf_llama", "module": {"left_padding": True, "ignore_padded": False}}
+#: Hugging Face's sdpa implementation (its own F.scaled_dot_product_attention, not taken twice), with padding.
+SDPA_PADDED = {"model": "hf_llama", "module": {"left_padding": True, "config": {"attn_implementation": "sdpa"}}}
 HF_LLAMA, LLAMA = {"model": "hf_llama"}, {"model": "llama"}
 MIXTRAL_AUX = {"model": "hf_mixtral", "module": {"config": {"output_router_logits": True}}}
 #: (the run's model, its single-device reference, the strategy's degrees), per launch.
@@ -29,6 +33,7 @@ TWO_RANKS = [
     (LLAMA, LLAMA, {"cp": 2}),
     (SLIDING, SLIDING, {"cp": 2}),
     (PADDED, PADDED, {"cp": 2}),
+    (SDPA_PADDED, SDPA_PADDED, {"cp": 2}),
     ({"model": "hf_mamba"}, {"model": "hf_mamba"}, {"cp": 2}),  # a selective scan: its blocks stay whole
     ({"model": "hf_mixtral"}, {"model": "hf_mixtral"}, {"cp": 2}),
     # The load-balancing loss reads every router's logits through hooks inside the blocks: they stay whole.
@@ -42,10 +47,16 @@ FOUR_RANKS = [
     (HF_LLAMA, HF_LLAMA, {"dp": 1, "cp": 4}),  # 2 key/value heads for 4 ranks: repeated to the 4 query heads
     (LLAMA, LLAMA, {"dp": 1, "cp": 4}),
     (PADDED, PADDED, {"dp": 1, "cp": 4}),
+    (SLIDING, SLIDING, {"dp": 1, "cp": 4}),
     (HF_LLAMA, HF_LLAMA, {"dp": 1, "cp": 2, "tp": 2}),
     (LLAMA, LLAMA, {"dp": 1, "cp": 2, "tp": 2}),
+    (SLIDING, SLIDING, {"dp": 1, "cp": 2, "tp": 2}),
+    (PADDED, PADDED, {"dp": 1, "cp": 2, "tp": 2}),
     (HF_LLAMA, HF_LLAMA, {"dp": 1, "cp": 2, "pp": 2}),
     (SLIDING, SLIDING, {"dp": 1, "cp": 2, "pp": 2}),
+    # A loss normalised over each microbatch's unpadded targets is refused under pp, with or without cp (the
+    # pipeline's setup check): the padded model keeps its targets here.
+    (PADDED_MASK_ONLY, PADDED_MASK_ONLY, {"dp": 1, "cp": 2, "pp": 2}),
 ]
 #: dp 2 × cp 2. The padded model's loss is a mean over each data-parallel rank's own unpadded tokens, which one
 #: device's mean over the whole batch is not: its reference is dp 2 without cp (dp 2 × tp 2, in the same launch).
