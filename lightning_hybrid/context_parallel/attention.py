@@ -152,9 +152,18 @@ def _own_implementation(module: nn.Module) -> Callable:
 
 
 def attention_configs(block: nn.Module) -> list[Any]:
-    """The Hugging Face configs the block's modules read their attention implementation from (none: not HF)."""
-    found = {id(m.config): m.config for m in block.modules()
-             if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    """The Hugging Face configs the block's modules read their attention implementation from (none: not HF) whose
+    implementation can be found: a registered one, or ``"eager"`` with the modeling file's
+    ``eager_attention_forward`` (a module without it is left alone: its attention is not reached, the block stays
+    whole)."""
+    found = {}
+    for module in block.modules():
+        config = getattr(module, "config", None)
+        name = getattr(config, "_attn_implementation", None)
+        if name is None or (name == "eager" and not hasattr(sys.modules[type(module).__module__],
+                                                              "eager_attention_forward")):
+            continue
+        found[id(config)] = config
     return list(found.values())
 
 
