@@ -23,7 +23,8 @@ progress bar (``HybridStrategy(monitor=False)`` turns it off, ``monitor=Parallel
 * with expert parallelism, ``experts/...``: tokens per expert, imbalance over experts and over ep ranks,
   all-to-all bytes and share of the step (:mod:`lightning_hybrid.observe.experts`).
 
-Every ``timeline_every_n_steps`` batches (pipelines only) it adds an image ``pipeline/timeline``: a Gantt chart of
+After the third optimizer step (the schedules built and warmed up), then every ``timeline_every_n_steps`` batches
+(pipelines only), it adds an image ``pipeline/timeline`` — so a short run has one too: a Gantt chart of
 each rank's forward (F), backward (B), input-gradient (I) and weight-gradient (W) actions per microbatch, and
 with ``chrome_trace_dir`` also writes the same step as a Chrome trace (open in ``chrome://tracing`` or Perfetto).
 At fit start it logs the layout, tensor-parallel plan, stage split and the planner's predicted ``plan/...`` figures
@@ -73,6 +74,9 @@ log = logging.getLogger(__name__)
 #: The batch measured for FLOPs and communication: the second, because the first also builds the pipeline's
 #: schedules (shape inference) and warms up allocators.
 MEASURED_BATCH = 1
+#: The optimizer step after which the first pipeline timeline is drawn: the first steps build the schedules, the
+#: measured one is profiled; a short run (fewer steps than ``timeline_every_n_steps``) still gets one.
+FIRST_TIMELINE_STEP = 3
 
 
 @dataclass
@@ -95,7 +99,8 @@ class ParallelMonitor(pl.Callback):
             (the first two batches, which build the schedules and are profiled, are not measured).
         peak_flops: Peak FLOP/s of one device, for MFU. Default: Lightning's table for the GPU and precision in use;
             CPUs and unknown devices log achieved TFLOP/s without MFU unless this is given.
-        timeline_every_n_steps: Batches between pipeline timeline images (``None``: never).
+        timeline_every_n_steps: Batches between pipeline timeline images, the first after the third optimizer step
+            (``None``: never).
         chrome_trace_dir: Also write each timeline step as ``step_<N>.json`` (Chrome trace format) here.
         batch_tokens: ``batch -> number of tokens``. Default: the element count of the batch's first integer tensor
             with two or more dimensions (token ids); batches without one log samples only.
@@ -177,8 +182,16 @@ class ParallelMonitor(pl.Callback):
         self._batches += 1
         if self._batches % every == 0:  # also with nothing timed yet: memory and the step's gradient norm
             self._log_window(trainer)
-        if self.timeline_every_n_steps and self._batches % self.timeline_every_n_steps == 0:
+        if self._timeline_due(trainer):
             self._log_timeline(trainer)
+
+    def _timeline_due(self, trainer: pl.Trainer) -> bool:
+        """After the batch ending optimizer step :data:`FIRST_TIMELINE_STEP`, then every ``timeline_every_n_steps``
+        batches after it."""
+        if not self.timeline_every_n_steps:
+            return False
+        first = FIRST_TIMELINE_STEP * trainer.accumulate_grad_batches
+        return self._batches == first or (self._batches > first and self._batches % self.timeline_every_n_steps == 0)
 
     def _batches_between_logs(self, trainer: pl.Trainer) -> int:
         # Lightning's log_every_n_steps counts optimizer steps, each accumulate_grad_batches batches: logging on the
