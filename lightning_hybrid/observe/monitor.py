@@ -63,7 +63,8 @@ from lightning_hybrid.observe.experts import expert_metrics, take_expert_figures
 from lightning_hybrid.observe.profiling import CommunicationProfile, TraceWindow, profile_window
 from lightning_hybrid.observe.progress import ProgressFigures, place_before_progress_bar
 from lightning_hybrid.observe.run_record import record_run
-from lightning_hybrid.observe.timeline import bubble_metrics, render_timeline, timeline_bubble, to_chrome_trace
+from lightning_hybrid.observe.timeline import (bubble_metrics, render_timeline, timeline_bubble, timeline_due,
+                                               to_chrome_trace)
 from lightning_hybrid.parallel.expert_step import spread_norms
 from lightning_hybrid.parallel.grad_norm import total_grad_norm
 from lightning_hybrid.pipeline.step_recorder import StepTimeline
@@ -74,9 +75,6 @@ log = logging.getLogger(__name__)
 #: The batch measured for FLOPs and communication: the second, because the first also builds the pipeline's
 #: schedules (shape inference) and warms up allocators.
 MEASURED_BATCH = 1
-#: The optimizer step after which the first pipeline timeline is drawn: the first steps build the schedules, the
-#: measured one is profiled; a short run (fewer steps than ``timeline_every_n_steps``) still gets one.
-FIRST_TIMELINE_STEP = 3
 
 
 @dataclass
@@ -182,16 +180,8 @@ class ParallelMonitor(pl.Callback):
         self._batches += 1
         if self._batches % every == 0:  # also with nothing timed yet: memory and the step's gradient norm
             self._log_window(trainer)
-        if self._timeline_due(trainer):
+        if timeline_due(self._batches, self.timeline_every_n_steps, trainer.accumulate_grad_batches):
             self._log_timeline(trainer)
-
-    def _timeline_due(self, trainer: pl.Trainer) -> bool:
-        """After the batch ending optimizer step :data:`FIRST_TIMELINE_STEP`, then every ``timeline_every_n_steps``
-        batches after it."""
-        if not self.timeline_every_n_steps:
-            return False
-        first = FIRST_TIMELINE_STEP * trainer.accumulate_grad_batches
-        return self._batches == first or (self._batches > first and self._batches % self.timeline_every_n_steps == 0)
 
     def _batches_between_logs(self, trainer: pl.Trainer) -> int:
         # Lightning's log_every_n_steps counts optimizer steps, each accumulate_grad_batches batches: logging on the

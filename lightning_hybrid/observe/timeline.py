@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -122,3 +122,17 @@ def to_chrome_trace(timelines: list[StepTimeline]) -> dict[str, Any]:
             "args": {"stage": action.stage, "microbatch": action.microbatch},
         })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+#: The optimizer step after which the first timeline is drawn: the first steps build the schedules, the monitor's
+#: measured one is profiled; a run shorter than ``timeline_every_n_steps`` still gets one.
+FIRST_TIMELINE_STEP = 3
+
+
+def timeline_due(batches: int, every: Optional[int], accumulation: int) -> bool:
+    """Whether the monitor draws the timeline after batch ``batches`` (counted from 1): after the batch ending
+    optimizer step :data:`FIRST_TIMELINE_STEP`, then every ``every`` batches after it (``None``: never)."""
+    if not every:
+        return False
+    first = FIRST_TIMELINE_STEP * accumulation
+    return batches == first or (batches > first and batches % every == 0)

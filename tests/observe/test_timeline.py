@@ -68,3 +68,13 @@ def test_chrome_trace_has_one_event_per_action_in_microseconds() -> None:
     assert len(actions) == 8 and len(events) == 10  # + one thread name per rank
     last = max(actions, key=lambda e: e["ts"])
     assert (last["name"], last["tid"], last["ts"], last["dur"]) == ("B1", 0, 7e6, 2e6)
+
+
+def test_the_first_timeline_is_drawn_after_warm_up_then_every_n_batches() -> None:
+    from lightning_hybrid.observe.timeline import timeline_due
+
+    due = lambda every, accumulation: [b for b in range(1, 41) if timeline_due(b, every, accumulation)]  # noqa: E731
+    assert due(100, 1) == [3]  # a 40-batch run still gets one
+    assert due(10, 1) == [3, 10, 20, 30, 40]
+    assert due(4, 2) == [6, 8, 12, 16, 20, 24, 28, 32, 36, 40]  # the third optimizer step ends at batch 6
+    assert due(None, 1) == []
