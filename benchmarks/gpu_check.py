@@ -1,7 +1,8 @@
 """The GPU check: what only a GPU can show, in one process on one GPU, in a few minutes.
 
 Runs, one after the other in this process, bf16-mixed training of ``recipes/gpt.py``'s GPT at a GPU-sized config
-(GPT-2 small: 12 blocks, width 768, 12 heads, sequence 1024, vocabulary 50304 — 124M parameters) on random tokens:
+on random tokens — by default a 1B-class decoder (16 blocks, width 2048, 16 heads, sequence 2048, vocabulary
+50304: 1.0B parameters), with ``--model gpt2-small`` GPT-2 small (12 blocks, width 768, sequence 1024: 124M):
 
 ``lightning``    plain single-device Lightning (``strategy="auto"``): the baseline.
 ``hybrid``       ``HybridStrategy()`` on the one device (FSDP2 on a 1-rank mesh: bf16-mixed's policy).
@@ -11,7 +12,10 @@ Runs, one after the other in this process, bf16-mixed training of ``recipes/gpt.
 
 Every side carries the strategy's ``ParallelMonitor`` (added as a callback to the plain side too), so step time,
 tokens/s, MFU against the device's dense bf16 peak (``get_available_flops``: 989 TFLOP/s for an H100/H200 SXM) and
-peak memory (``torch.cuda.max_memory_allocated``) are the figures the monitor logs, taken from its logger calls.
+peak memory (``torch.cuda.max_memory_allocated``) are the figures the monitor logs, taken from its logger calls. Next
+to them, for the strategy's sides, the planner's prediction of the same layout on this GPU (the monitor's
+``plan/mfu`` and ``plan/memory_gib``: the cost model's per-device figures, which one GPU can check — it cannot run a
+multi-rank layout, but the planner multiplies these per-device terms out).
 Step time is the monitor's mean over its window after the first batch; each side runs ``--steps`` steps with a
 log window of ``--steps - 1``. The first step of ``compiled`` (compilation) is timed separately.
 
@@ -47,7 +51,8 @@ from benchmarks.harness import markdown_table  # noqa: E402
 from lightning_hybrid import HybridStrategy, ParallelMonitor  # noqa: E402
 from recipes.gpt import GPTConfig, GPTLightning  # noqa: E402
 
-GPU_CONFIG = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+GPU_CONFIGS = {"1b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=16, n_head=16, n_embd=2048),
+               "gpt2-small": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)}
 TINY_CONFIG = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
 SIDES = ("lightning", "hybrid", "compiled", "offload")
 
@@ -122,7 +127,8 @@ def run_side(side: str, config: GPTConfig, args: argparse.Namespace) -> dict[str
     return {"step_ms": 1e3 * logger.last("throughput/step_time_sec"),
             "tokens_per_s": logger.last("throughput/tokens_per_sec"), "mfu": logger.last("flops/mfu"),
             "tflops": logger.last("flops/tflops_per_sec_per_device"),
-            "peak_gib": logger.last("memory/peak_gib_max"), "first_step_s": timer.first_step_s}
+            "peak_gib": logger.last("memory/peak_gib_max"), "first_step_s": timer.first_step_s,
+            "plan_mfu": logger.last("plan/mfu"), "plan_gib": logger.last("plan/memory_gib")}
 
 
 def check_cuda_timeline(config: GPTConfig, device: torch.device) -> str:
@@ -161,12 +167,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a tiny model (a smoke run of the script on a CPU)")
+    parser.add_argument("--model", default="1b", choices=tuple(GPU_CONFIGS))
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     args = parser.parse_args()
-    config = TINY_CONFIG if args.tiny else GPU_CONFIG
+    config = TINY_CONFIG if args.tiny else GPU_CONFIGS[args.model]
     device = torch.device("cuda" if args.device == "gpu" else "cpu")
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -175,11 +182,17 @@ def main() -> None:
           f" {config.block_size} tokens, {args.precision}, {args.steps} steps (first excluded)")
     base = results.get("lightning", {}).get("step_ms", float("nan"))
     rows = [[side, f"{r['step_ms']:.1f}", f"{r['step_ms'] / base:.3f}", f"{r['tokens_per_s']:.0f}",
-             f"{r['tflops']:.1f}", f"{r['mfu']:.3f}", f"{r['peak_gib']:.2f}", f"{r['first_step_s']:.1f}"]
+             f"{r['tflops']:.1f}", f"{r['mfu']:.3f}", _or_dash(r["plan_mfu"], ".3f"), f"{r['peak_gib']:.2f}",
+             _or_dash(r["plan_gib"], ".2f"), f"{r['first_step_s']:.1f}"]
             for side, r in results.items()]
-    print(markdown_table(["side", "step ms", "vs lightning", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "first step s"],
-                         rows))
+    print(markdown_table(["side", "step ms", "vs lightning", "tokens/s", "TFLOP/s", "MFU", "planner MFU", "peak GiB",
+                          "planner GiB", "first step s"], rows))
     print(check_cuda_timeline(config, device))
+
+
+def _or_dash(value: float, spec: str) -> str:
+    """A figure, or "-" where the side has none (plain Lightning has no planner prediction; CPUs no MFU)."""
+    return "-" if math.isnan(value) else format(value, spec)
 
 
 if __name__ == "__main__":
