@@ -182,7 +182,7 @@ def main() -> None:
           f" {config.block_size} tokens, {args.precision}, {args.steps} steps (first excluded)")
     base = results.get("lightning", {}).get("step_ms", float("nan"))
     rows = [[side, f"{r['step_ms']:.1f}", f"{r['step_ms'] / base:.3f}", f"{r['tokens_per_s']:.0f}",
-             f"{r['tflops']:.1f}", f"{r['mfu']:.3f}", _or_dash(r["plan_mfu"], ".3f"), f"{r['peak_gib']:.2f}",
+             f"{r['tflops']:.1f}", _or_dash(r["mfu"], ".3f"), _or_dash(r["plan_mfu"], ".3f"), f"{r['peak_gib']:.2f}",
              _or_dash(r["plan_gib"], ".2f"), f"{r['first_step_s']:.1f}"]
             for side, r in results.items()]
     print(markdown_table(["side", "step ms", "vs lightning", "tokens/s", "TFLOP/s", "MFU", "planner MFU", "peak GiB",
