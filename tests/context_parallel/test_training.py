@@ -2,8 +2,8 @@
 attention and rotary positions (Hugging Face's, eager and sdpa attention through its attention interface, and a
 custom one calling ``F.scaled_dot_product_attention``), sliding-window attention (Qwen2), left-padded batches (an
 mask, the padded targets ignored by the loss), a state-space model kept whole, Mixtral (its load-balancing loss,
-read through hooks inside the blocks, keeps them whole), activation checkpointing and a meta-device model — under
-cp2, cp4, dp2 × cp2, cp2 × tp2 and cp2 × pp2."""
+read through hooks inside the blocks, keeps them whole; its experts also spread over the cp ranks, ep 2), activation
+checkpointing and a meta-device model — under cp2, cp4, dp2 × cp2, cp2 × tp2 and cp2 × pp2."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ TWO_RANKS = [
     (SDPA_PADDED, SDPA_PADDED, {"cp": 2}),
     ({"model": "hf_mamba"}, {"model": "hf_mamba"}, {"cp": 2}),  # a selective scan: its blocks stay whole
     ({"model": "hf_mixtral"}, {"model": "hf_mixtral"}, {"cp": 2}),
+    ({"model": "hf_mixtral"}, {"model": "hf_mixtral"}, {"cp": 2, "ep": 2}),  # the experts over the two cp ranks
     # The load-balancing loss reads every router's logits through hooks inside the blocks: they stay whole.
     (MIXTRAL_AUX, MIXTRAL_AUX, {"cp": 2}),
     ({"model": "hf_llama", "module": {"config": {"use_cache": False}}}, HF_LLAMA,
