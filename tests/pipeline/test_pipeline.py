@@ -16,6 +16,7 @@ import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from lightning_hybrid import HybridStrategy
+from lightning_hybrid.observe.timeline import FIRST_TIMELINE_STEP
 from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.options.schedules import SCHEDULES, PipelineSchedule
 from lightning_hybrid.pipeline.semantics import check_batch, combine_logs
@@ -295,9 +296,10 @@ def _assert_monitored(folder: Path, reference: dict, schedule: PipelineSchedule)
     if theory is not None:
         assert logged["pipeline/bubble_theory"][0][1] == pytest.approx(theory)
     assert all(0 < bubble < 1 for _, bubble in logged["pipeline/bubble"])
-    # Timeline every 4 batches: per rank, each of its stages runs every microbatch forward once and backward once,
-    # either whole (B) or as input then weight gradients (I + W; zero-bubble schedules, some or all microbatches).
-    trace = json.loads((folder.parent / "traces" / "step_2.json").read_text())["traceEvents"]
+    # The first timeline, after the third optimizer step: per rank, each of its stages runs every microbatch forward
+    # once and backward once, either whole (B) or as input then weight gradients (I + W; zero-bubble schedules,
+    # some or all microbatches).
+    trace = json.loads((folder.parent / "traces" / f"step_{FIRST_TIMELINE_STEP}.json").read_text())["traceEvents"]
     for rank in range(2):
         kinds = [e["name"][0] for e in trace if e["ph"] == "X" and e["tid"] == rank]
         per_rank = schedule.microbatches * schedule.virtual_stages
