@@ -37,12 +37,11 @@ from lightning_hybrid.probe.record import BlockCall
 @dataclass
 class AppliedContext:
     """Each block structure's plan (first block index → :class:`~.plan.BlockPlan`, or why it stays whole), the
-    structures' blocks, and once installed the group and its exchange figures."""
+    structures' blocks, and once installed the blocks this rank split."""
 
     plans: dict[int, Union[BlockPlan, str]]
     structures: dict[int, list[int]]
     names: dict[int, str]
-    group: Any = None
     installed: list[int] = field(default_factory=list)
 
     def plan_of(self, index: int) -> Union[BlockPlan, str]:
@@ -86,7 +85,6 @@ def plan_context_parallel(blocks: BlockList, block_calls: Mapping[int, BlockCall
 def install_context_parallel(applied: AppliedContext, blocks: BlockList, owned: Sequence[int],
                              group: ContextGroup) -> None:
     """Make each block of ``owned`` (this rank's) whose structure is split run on its part over ``group``."""
-    applied.group = group
     for index in owned:
         plan = applied.plan_of(index)
         if isinstance(plan, BlockPlan):

@@ -75,34 +75,33 @@ class ExchangedAttention(AttentionHandler):
         if query.dim() != 4:
             raise ValueError(f"HybridStrategy(cp={self.group.size}): scaled_dot_product_attention was called with"
                              f" {query.dim()}-D queries; context parallelism exchanges (batch, heads, positions, dim).")
-        repeat = _kv_repeat(query.shape[1], key.shape[1], self.group.size)
-        if repeat > 1:
-            key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-        local = query.shape[2]
-        query, key, value = (self._to_heads(t, local, 2, 1) for t in (query, key, value))
-        kwargs["attn_mask"] = self._mask(kwargs.get("attn_mask"), query.shape[1])
+        query, key, value, _ = self._to_heads(query, key, value)
+        kwargs["attn_mask"] = self._mask(kwargs.get("attn_mask"))
         output = F.scaled_dot_product_attention(query, key, value, **kwargs)
         return heads_to_sequence(output, 2, 1, self.group)
 
     def hf(self, function: Callable, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
            attention_mask: Optional[Tensor], **kwargs: Any) -> tuple[Tensor, Any]:
-        repeat = _kv_repeat(query.shape[1], key.shape[1], self.group.size)
         groups = getattr(module, "num_key_value_groups", None)
-        if repeat > 1:
-            key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-        local = query.shape[2]
-        query, key, value = (self._to_heads(t, local, 2, 1) for t in (query, key, value))
-        mask = self._mask(attention_mask, query.shape[1])
+        query, key, value, repeat = self._to_heads(query, key, value)
+        mask = self._mask(attention_mask)
         with _attribute(module, "num_key_value_groups", groups // repeat if repeat > 1 and groups else groups):
             output, weights = function(module, query, key, value, mask, **kwargs)
         return heads_to_sequence(output, 1, 2, self.group), weights
 
-    def _to_heads(self, tensor: Tensor, local: int, seq_dim: int, head_dim: int) -> Tensor:
-        if tensor.shape[seq_dim] == local:  # this rank's positions: exchanged
-            return sequence_to_heads(tensor, seq_dim, head_dim, self.group)
-        return part(tensor, head_dim, self.group)  # every position already (cross-attention): this rank's heads
+    def _to_heads(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+        """``(B, heads, positions, dim)`` queries, keys and values on this rank's heads over every position, and
+        how often each key/value head was repeated to divide over the group. One holding this rank's positions is
+        exchanged; one holding every position already (cross-attention) is cut to this rank's heads."""
+        repeat = _kv_repeat(query.shape[1], key.shape[1], self.group.size)
+        if repeat > 1:
+            key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+        local = query.shape[2]
+        query, key, value = (sequence_to_heads(t, 2, 1, self.group) if t.shape[2] == local else part(t, 1, self.group)
+                             for t in (query, key, value))
+        return query, key, value, repeat
 
-    def _mask(self, mask: Any, heads: int) -> Any:
+    def _mask(self, mask: Any) -> Any:
         """The mask for this rank's heads: a per-head mask cut to them, a broadcast one as it is."""
         if not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[1] == 1:
             return mask

@@ -74,8 +74,13 @@ def part(tensor: Tensor, dim: int, group: ContextGroup) -> Tensor:
         raise ValueError(f"HybridStrategy(cp={group.size}) splits each sequence into {group.size} equal parts, but"
                          f" a block got a sequence of {length} positions. Pad the sequences to a multiple of"
                          f" {group.size} (collate with padding and an attention mask), or use a cp that divides it.")
-    chunk = length // group.size
-    return tensor.narrow(dim, group.rank * chunk, chunk)
+    return positions(tensor, dim, group.rank, group.size)
+
+
+def positions(tensor: Tensor, dim: int, index: int, parts: int) -> Tensor:
+    """Part ``index`` of ``parts`` equal parts of ``tensor`` along ``dim`` (a view)."""
+    chunk = tensor.shape[dim] // parts
+    return tensor.narrow(dim, index * chunk, chunk)
 
 
 def _all_gather(tensor: Tensor, dim: int, group: ContextGroup) -> Tensor:

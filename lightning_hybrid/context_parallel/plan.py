@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid._compat import tree_flatten, tree_unflatten
 from lightning_hybrid.context_parallel.attention import AttentionHandler, routed_attention
+from lightning_hybrid.context_parallel.exchange import positions
 from lightning_hybrid.probe.record import BlockCall
 from lightning_hybrid.probe.step_probe import leaving_no_trace
 
@@ -120,8 +121,7 @@ class _Replay(AttentionHandler):
         return self._rows(call.output, 2 if kind == "sdpa" else 1), call.weights
 
     def _rows(self, tensor: Tensor, dim: int) -> Tensor:
-        chunk = tensor.shape[dim] // self.parts
-        return tensor.narrow(dim, self.index * chunk, chunk)
+        return positions(tensor, dim, self.index, self.parts)
 
 
 def plan_block(block: nn.Module, call: BlockCall, parts: int) -> Union[BlockPlan, str]:
@@ -154,13 +154,8 @@ def _sequence_dims(value: Any, length: int) -> list[int]:
 
 
 def _part_call(leaves: list, spec: Any, split: dict[int, int], index: int, parts: int) -> BlockCall:
-    def cut(i: int, value: Any) -> Any:
-        if i not in split:
-            return value
-        chunk = value.shape[split[i]] // parts
-        return value.narrow(split[i], index * chunk, chunk)
-
-    return tree_unflatten([cut(i, value) for i, value in enumerate(leaves)], spec)
+    return tree_unflatten([positions(value, split[i], index, parts) if i in split else value
+                           for i, value in enumerate(leaves)], spec)
 
 
 def _gathered_outputs(whole: Any, parts: list[Any], length: int, checked: bool) -> dict[int, int]:
