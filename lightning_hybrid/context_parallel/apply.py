@@ -121,6 +121,8 @@ def _unsplittable(leaves: list, plan: BlockPlan, size: int) -> str:
     """Why this call cannot be split as planned ("" if it can)."""
     if len(leaves) != plan.leaves:
         return f"it was called with {len(leaves)} values, planned at setup for the {plan.leaves} of its first call"
+    if any(not isinstance(leaves[i], Tensor) or leaves[i].dim() <= dim for i, dim in plan.split.items()):
+        return "a value it was planned to split is not a tensor of that shape in this call"
     odd = {leaves[i].shape[dim] for i, dim in plan.split.items() if leaves[i].shape[dim] % size}
     if odd:
         return (f"a sequence of {min(odd)} positions does not split into {size} equal parts (pad sequences to a"
