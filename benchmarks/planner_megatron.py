@@ -21,9 +21,9 @@ Where HybridStrategy differs from the published system, the planner counts what 
   reduce-scatter instead of a fp16 all-reduce) plus the all-gathers, which hide behind compute;
 * pipeline messages: each tp rank sends the whole b·s·h activation over its own NIC (Megatron's scatter/gather sends
   1/t of it and all-gathers over NVLink);
-* torch's pipeline allocates a receive buffer per microbatch, stage and direction and keeps them (Megatron allocates
-  a tensor when a message arrives): at 530B (m = 280, v = 3) and 1T (m = 512) they exceed the GPU's 80 GB, so
-  those published configurations do not fit under HybridStrategy; ``--best`` finds what does.
+* receive buffers as the pipeline runtime allocates them (on arrival, freed after use, as Megatron does): one
+  activation posted ahead of its forward and two gradients per rank, b·s·h each, whatever m: every published
+  configuration fits, 1T included; ``--best`` searches the fastest layout on each row's (t, p).
 
 Usage::
 
@@ -196,8 +196,8 @@ DIFFERENCES = (
     "Predicted: HybridStrategy on the published configuration. It differs from Megatron-LM 2021 in: FSDP2 instead"
     " of a data-parallel all-reduce (the same gradient bytes, all-gathers hidden); whole b·s·h pipeline messages from"
     " every tp rank (Megatron's scatter/gather sends 1/t); fp32 unsharded gradient accumulation per microbatch under"
-    " a pipeline; torch's receive buffers, one per microbatch, stage and direction (at 530B and 1T more than the GPU"
-    " holds: the published configuration does not fit, --best shows what does).")
+    " a pipeline; receive buffers allocated on arrival and freed after use (at most three b·s·h per rank, so every"
+    " published configuration fits, 1T included).")
 
 
 def main() -> None:

@@ -36,11 +36,13 @@ doubles tensors, not 1-byte masks. Checkpointed blocks (``"every"``, or every N-
 block's working set for the recompute. ``"selective"``: what the policy keeps (:func:`selective_layer_bytes`), and
 one block's recomputed rest. Chunk-microbatches held on rank r: one with p = 1 (accumulation steps run in turn),
 GPipe m, 1F1B min(m, p − r), interleaved min(m·v, (v−1)·p + 2·(p−1−r) + 1) (torch's warm-up). Receive
-buffers: torch's ``PipelineStage`` allocates one b·s·h tensor per microbatch for every stage that receives
-activations (all but the first) and every stage that receives gradients (all but the last), and keeps them: m per
-direction and stage (Megatron allocates a message's tensor when it arrives). Last stage: logits b·s·V and the
-loss's log-softmax per microbatch held (GPipe m, else 1), ÷ t with ``loss_parallel``. A layout fits if its total is
-at most ``usable_memory_fraction`` of the GPU.
+buffers (b·s·h each, independent of m): the pipeline runtime allocates a buffer when its message is about to be
+received and releases it after use, as Megatron does. An activation buffer is the stage's input, which the
+per-block count above already holds for every microbatch in flight: only one more, posted ahead of its forward, on
+a rank with a stage that receives activations (all but the first); gradients live from arrival to the end of their
+chunk's backward: two (one consumed, one posted ahead) on a rank with a stage that receives them (all but the
+last). Last stage: logits b·s·V and the loss's log-softmax per microbatch held (GPipe m, else 1), ÷ t with
+``loss_parallel``. A layout fits if its total is at most ``usable_memory_fraction`` of the GPU.
 """
 
 from __future__ import annotations

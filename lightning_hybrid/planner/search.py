@@ -20,6 +20,10 @@ from lightning_hybrid.planner.layout import CHECKPOINTING, Estimate, Layout
 from lightning_hybrid.hardware import Cluster
 from lightning_hybrid.planner.model import ModelShape
 
+#: The share of the usable memory a layout must leave free before context parallelism is not tried: the activation
+#: model is a few % low without checkpointing (docs/tuning.md, "Leave headroom"), so a layout at the brim is no fit.
+CONTEXT_HEADROOM = 0.05
+
 
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, ascending: the degrees a dimension of ``n`` devices can take."""
@@ -98,13 +102,15 @@ def plan(model: ModelShape, cluster: Cluster, global_batch: int, precision: str 
     """Estimate every :func:`candidate_layouts` layout: the feasible ones first, fastest first (ties: fewer
     accumulation steps, less recomputation, less memory, less traffic), then the infeasible ones, those only out of
     memory first, nearest to fitting first. Context parallelism (cp > 1, :func:`context_degrees`) is tried when no
-    layout without it fits (a sequence whose activations no other split brings under the memory)."""
+    layout without it fits with :data:`CONTEXT_HEADROOM` of the usable memory free (a sequence whose activations no
+    other split brings under the memory, or only to its brim)."""
     check_positive_values("plan", global_batch=global_batch)
     check_model_fits_cluster(model, cluster, precision)
     estimates = _estimates(model, cluster, global_batch, precision, schedules, zero_levels, checkpointing, options)
-    if not any(e.feasible for e in estimates):
-        estimates = _estimates(model, cluster, global_batch, precision, schedules, zero_levels, checkpointing, options,
-                               context_degrees(model, cluster.gpus))
+    roomy = (1 - CONTEXT_HEADROOM) * cluster.usable_memory
+    if not any(e.feasible and e.memory.total <= roomy for e in estimates):
+        estimates += _estimates(model, cluster, global_batch, precision, schedules, zero_levels, checkpointing,
+                                options, [cp for cp in context_degrees(model, cluster.gpus) if cp > 1])
     # At equal predicted time, fewer accumulation steps: smaller microbatches run less efficiently (not modeled);
     # then less recomputation (without the cluster's memory bandwidth selective checkpointing costs no time).
     feasible = sorted((e for e in estimates if e.feasible),

@@ -9,7 +9,7 @@ Example::
 
 Ranks computed: without a pipeline the one rank; with one, the first (embedding; the most microbatches in flight),
 the last (head, logits) and, for pp ≥ 3, the second, standing for the middle ones: a middle stage receives both
-activations and gradients, so torch's per-microbatch receive buffers are largest there. Blocks: ⌈L/(p·v)⌉ per
+activations and gradients, so it holds the most receive buffers (three b·s·h, independent of m). Blocks: ⌈L/(p·v)⌉ per
 stage (HybridStrategy balances FLOPs, which may move one off the head's stage).
 """
 
@@ -125,7 +125,7 @@ class PipelineRank:
     in_flight: int
     recomputed_blocks: int  # checkpointed blocks whose whole forward runs again in backward
     selective_blocks: int  # blocks under selective checkpointing (element-wise operations recomputed)
-    receive_buffers: int  # b·s·h tensors torch's pipeline allocates: one per microbatch, stage and direction
+    receive_buffers: int  # b·s·h tensors beyond the inputs in flight: 1 activation posted ahead, 2 gradients
 
     def local_parameters(self, step: StepShape) -> float:
         """Parameters this rank holds on one tp rank (before data-parallel sharding)."""
@@ -160,8 +160,10 @@ def _pipeline_rank(schedule: PipelineSchedule, index: int, chunk: int, checkpoin
         in_flight = min(m, p - index)
     else:  # torch's interleaved warm-up (rank 0: Korthikanti's L·(1 + (p−1)/(p·v)) layers)
         in_flight = min(m * v, (v - 1) * p + 2 * (p - 1 - index) + 1)
-    # Every stage but the first receives activations, every stage but the last gradients: one buffer per microbatch.
-    buffers = m * sum((stage > 0) + (stage < p * v - 1) for stage in stages)
+    # The runtime allocates a buffer when its message is about to arrive and frees it after use. An activation buffer
+    # becomes the stage's input, which the activations of each microbatch in flight already count: only the one
+    # posted ahead of its forward adds. A gradient lives until its chunk's backward ends: one consumed, one posted.
+    buffers = any(stage > 0 for stage in stages) + 2 * any(stage < p * v - 1 for stage in stages)
     stage = "first" if index == 0 else "last" if index == p - 1 else "middle"
     return PipelineRank(stage, chunk * v, index == 0, index == p - 1, in_flight,
                         _recomputed(checkpointing, [(s * chunk, chunk) for s in stages]),

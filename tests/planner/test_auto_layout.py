@@ -205,7 +205,7 @@ def test_when_nothing_fits_the_error_says_what_would() -> None:
     search has tried it already."""
     with pytest.raises(ValueError, match=r"no layout of 4 devices .* 8 sequences of 2048 tokens per data-parallel rank"
                                          r".*out of memory.* With HybridStrategy\(activation_checkpointing='every'\)"
-                                         r" dp1 tp2 pp2 1f1b m8 z2 ac fits \(1.03 GiB per device\)"):
+                                         r" dp1 tp2 pp2 1f1b m8 z2 ac fits \(1.00 GiB per device\)"):
         choose_layout(MODEL, cluster(1.2), DEGREES_ONLY, 8, "bf16-mixed")  # the nearest is 49.7 MiB over
     assert choose_layout(MODEL, cluster(1.2), AUTO_LAYOUT, 8, "bf16-mixed")[0].layout.activation_checkpointing
     with pytest.raises(ValueError, match=r"over the usable 0.9 GiB. Lower the DataLoader's batch size or add devices"):

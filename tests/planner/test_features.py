@@ -186,12 +186,14 @@ def test_a_middle_stage_receives_both_ways_and_holds_the_most_buffers() -> None:
     layout = Layout(pp=4, microbatches=32, activation_checkpointing="every")
     ranks = stage_memory(eight, gpus(4), layout, 64, "32-true")
     residual = 2 * 32 * 64 * 4  # b = 2 sequences per microbatch
-    # torch's stages keep one buffer per microbatch for each direction they receive: gradients on the first stage,
-    # activations on the last, both in the middle.
+    # Buffers live from arrival to use, whatever m: two gradients on the first stage (one consumed, one posted
+    # ahead), one activation posted ahead of its forward on the last, both in the middle.
     assert [ranks[stage].receive_buffers for stage in ("first", "middle", "last")] == [
-        32 * residual, 64 * residual, 32 * residual]
+        2 * residual, 3 * residual, residual]
     # Middle (pipeline rank 1): 1F1B holds 3 microbatches of its 2 blocks' inputs and one block's working set.
-    assert ranks["middle"].activations == 3 * 2 * residual + 2 * TINY_LAYER_PER_SEQUENCE + 64 * residual
-    assert ranks["middle"].total == 16 * 2 * BLOCK + ranks["middle"].activations == 2_987_008
+    assert ranks["middle"].activations == 3 * 2 * residual + 2 * TINY_LAYER_PER_SEQUENCE + 3 * residual
+    assert ranks["middle"].total == 16 * 2 * BLOCK + ranks["middle"].activations == 1_987_584
+    # The first stage holds one microbatch more (4) and the embedding: with m-independent buffers it is the fullest.
+    assert ranks["first"].activations == 4 * 2 * residual + 2 * TINY_LAYER_PER_SEQUENCE + 2 * residual
     result = estimate(eight, gpus(4), layout, 64, "32-true")
-    assert result.memory.stage == "middle" and result.memory.total == 2_987_008
+    assert result.memory.stage == "first" and result.memory.total == ranks["first"].total == 2_135_040

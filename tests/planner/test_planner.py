@@ -162,15 +162,17 @@ def test_pipeline_stages_hold_the_microbatches_of_their_schedule() -> None:
     two = Cluster(nodes=1, gpus_per_node=2, memory_bytes=GIB, peak_flops=1e12, intra_node_bandwidth=1e9,
                   inter_node_bandwidth=1e9)
     layer = 2 * TINY_LAYER_PER_SEQUENCE  # 8 sequences in 4 microbatches of 2
-    buffers = 4 * 2 * 32 * 64 * 4  # one received b·s·h tensor per microbatch
+    residual = 2 * 32 * 64 * 4  # one b·s·h tensor of a microbatch of 2
     one_f_one_b = estimate(four_layers, two, Layout(pp=2, microbatches=4), 8, "32-true").memory
-    # 1F1B: stage 0 holds min(m, p) = 2 microbatches of its 2 blocks; stage 1 one. Stage 0 is fuller.
-    assert one_f_one_b.stage == "first" and one_f_one_b.activations == 2 * 2 * layer + buffers
+    # 1F1B: stage 0 holds min(m, p) = 2 microbatches of its 2 blocks; stage 1 one. Stage 0 is fuller; it receives
+    # gradients, two buffers of them at a time (one consumed, one posted ahead).
+    assert one_f_one_b.stage == "first" and one_f_one_b.activations == 2 * 2 * layer + 2 * residual
     # The stage's unsharded fp32 gradients: 2 blocks + embedding; no FSDP2 on one data-parallel rank, nothing gathered.
     assert one_f_one_b.gradients == 4 * (2 * TINY_BLOCK + 8192) and one_f_one_b.gathered_parameters == 0
     gpipe = estimate(four_layers, two, Layout(pp=2, pp_schedule="gpipe", microbatches=4), 8, "32-true").memory
     # GPipe: every stage holds all 4; the last one also keeps 4 log-softmax outputs and the logits being computed.
-    assert gpipe.stage == "last" and gpipe.activations == 4 * 2 * layer + buffers
+    # Its one receive buffer is the activation posted ahead of the next forward.
+    assert gpipe.stage == "last" and gpipe.activations == 4 * 2 * layer + residual
     assert gpipe.logits == 5 * 2 * 32 * 128 * 4
 
 
