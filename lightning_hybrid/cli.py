@@ -149,8 +149,9 @@ def _add_plan_command(commands: Any) -> None:
                          " kernels apart from the matmuls (presets: the datasheet's; else not charged apart)")
     cluster.add_argument("--nodes", type=int, default=1)
     cluster.add_argument("--gpus-per-node", type=int, default=8)
-    cluster.add_argument("--efficiency", type=float, help="achievable share of peak: of the matmuls where the"
-                         " memory bandwidth is known (presets 0.7), else of all compute (default 0.5)")
+    cluster.add_argument("--efficiency", type=float, help="achievable share of peak: of a large aligned GEMM with"
+                         " a preset (A100 0.82, H100 0.51; the shapes give the rest), else of all compute (default"
+                         " 0.5)")
     _add_strategy_options(plan)
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     plan.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed (default), bf16-true or 16-true")
@@ -329,8 +330,15 @@ def _cluster_from(args: argparse.Namespace) -> Cluster:
 def _describe(model: ModelShape, cluster: Cluster, args: argparse.Namespace, fitting: int, considered: int) -> str:
     mlp = f"ffn {model.ffn_hidden}{' gated' if model.gated_mlp else ''}"
     compute = f"{cluster.peak_flops / 1e12:g} TFLOP/s peak at {cluster.efficiency:.0%} efficiency"
+    details = []
+    if cluster.streaming_multiprocessors:  # planner/kernels.py: GEMMs by their shapes, attention by its kernel
+        attention = cluster.attention_efficiency or cluster.efficiency
+        details.append(f"large GEMMs, by their shapes; flash attention at {attention:.0%}")
+    elif cluster.memory_bandwidth:
+        details.append("matmuls")
     if cluster.memory_bandwidth:
-        compute += f" (matmuls; memory-bound kernels at {cluster.memory_bandwidth / 1e9:g} GB/s)"
+        details.append(f"memory-bound kernels at {cluster.memory_bandwidth / 1e9:g} GB/s")
+    compute += f" ({'; '.join(details)})" if details else ""
     return "\n".join([
         f"Model: {model.total_parameters:,} parameters ({model.layers} layers, hidden {model.hidden},"
         f" {model.heads} heads, {model.kv_heads} kv heads, {mlp}, vocab {model.vocab}, sequence {model.seq_len})",

@@ -32,30 +32,39 @@ class GpuSpec(NamedTuple):
     inter_node_gbps: float
     memory_gbps: float
     host_gbps: float
+    sms: int  # streaming multiprocessors: a GEMM's tiles run in waves of this many (planner/kernels.py)
+    matmul_efficiency: float  # share of peak a large aligned GEMM sustains: fitted per generation (BENCHMARKS.md)
+    attention_efficiency: float  # share of peak flash SDPA reaches, forward + backward (published kernel benchmarks)
 
+
+#: The share of the dense peak a large, tile-aligned bf16 GEMM sustains, per GPU generation: the one constant the
+#: planner fits per generation (planner/kernels.py models the rest from the GEMMs' shapes), so that the geometric
+#: mean of predicted / published over its fitted runs is 1. A100: Narayanan et al. 2021's Table 1; H100: llm-foundry's
+#: MPT 1B, 7B and 30B on 8 H100s and torchtitan's Llama 3.1 8B on 8 H100s (eager). The other published runs are
+#: held out (benchmarks/planner_kernels.py; BENCHMARKS.md, "Planner on modern kernels (issue 32)").
+A100_MATMUL_EFFICIENCY = 0.82
+H100_MATMUL_EFFICIENCY = 0.51
 
 GPU_PRESETS: dict[str, GpuSpec] = {
     # A100 SXM datasheet: 312 TFLOPS BF16 dense, 19.5 FP32, NVLink 3 600 GB/s (300 per direction), HBM2 1,555
     # GB/s (40 GB) / HBM2e 2,039 GB/s (80 GB), PCIe Gen4 64 GB/s (32 per direction); DGX A100: one 200 Gb/s HDR
     # InfiniBand port per GPU = 25 GB/s.
-    "a100-40gb": GpuSpec(40, 312, 19.5, 300, 25, 1555, 32),
-    "a100-80gb": GpuSpec(80, 312, 19.5, 300, 25, 2039, 32),
+    # 108 SMs. FlashAttention-2 (Dao 2023) forward + backward at head dim 128: about 55 % of the A100's peak.
+    "a100-40gb": GpuSpec(40, 312, 19.5, 300, 25, 1555, 32, 108, A100_MATMUL_EFFICIENCY, 0.55),
+    "a100-80gb": GpuSpec(80, 312, 19.5, 300, 25, 2039, 32, 108, A100_MATMUL_EFFICIENCY, 0.55),
     # H100 SXM datasheet: 989 TFLOPS BF16 dense (1979 with sparsity), 67 FP32, NVLink 4 900 GB/s, HBM3 3.35 TB/s,
     # PCIe Gen5 128 GB/s; DGX H100: one 400 Gb/s NDR port per GPU = 50 GB/s.
-    "h100-sxm": GpuSpec(80, 989, 67, 450, 50, 3350, 64),
+    # 132 SMs. FlashAttention-2 on H100 (the baseline of FlashAttention-3, Shah et al. 2024) forward + backward at
+    # head dim 128: about 35 % of peak (it does not use Hopper's asynchronous tensor cores).
+    "h100-sxm": GpuSpec(80, 989, 67, 450, 50, 3350, 64, 132, H100_MATMUL_EFFICIENCY, 0.35),
     # H200 SXM: H100's compute and NVLink, 141 GB HBM3e at 4.8 TB/s (the driver reports about 140 GiB).
-    "h200": GpuSpec(140, 989, 67, 450, 50, 4800, 64),
+    "h200": GpuSpec(140, 989, 67, 450, 50, 4800, 64, 132, H100_MATMUL_EFFICIENCY, 0.35),
     # L4 datasheet: 121 TFLOPS BF16 dense (242 with sparsity), 30.3 FP32, 24 GB GDDR6 at 300 GB/s, no NVLink: PCIe
     # Gen4 x16 32 GB/s per direction; network assumed 100 Gb/s per GPU.
-    "l4": GpuSpec(24, 121, 30.3, 32, 12.5, 300, 32),
+    # 58 SMs; not checked against a published run: A100's efficiencies assumed.
+    "l4": GpuSpec(24, 121, 30.3, 32, 12.5, 300, 32, 58, A100_MATMUL_EFFICIENCY, 0.55),
 }
 
-#: The share of the dense peak the presets' matrix multiplications reach. With the memory-bound kernels charged
-#: apart (``memory_bandwidth``), this is the matmuls' own efficiency, one value for every GPU: on A100s it puts the
-#: planner within −9 % … +12 % of all ten rows of Narayanan et al. 2021's Table 1 (0.68 would centre them) and
-#: within −8 % … +9 % of torchtitan's FSDP2 runs (BENCHMARKS.md, "Planner: predicted vs measured"); on other GPUs
-#: it is not checked against a published run (torchtitan's power-limited H100s ran at a much lower share).
-PRESET_MATMUL_EFFICIENCY = 0.7
 #: CPU memory bandwidth per GPU for an offloaded optimizer step (assumed: a DGX A100's two 8-channel DDR4-3200
 #: sockets, 410 GB/s, shared by 8 GPUs is 51 GB/s each; half of that for torch's CPU AdamW).
 HOST_MEMORY_BANDWIDTH = 25e9
@@ -71,7 +80,8 @@ NCCL_LATENCY = 20e-6
 class Cluster:
     """GPUs, memory per GPU (bytes), peak FLOP/s per GPU in the training dtype, link bandwidths (bytes/s per GPU
     and direction). ``efficiency``: the share of peak that compute reaches: with ``memory_bandwidth`` given, that of
-    the matrix multiplications alone (the presets' :data:`PRESET_MATMUL_EFFICIENCY`), the memory-bound kernels
+    the matrix multiplications alone (a large aligned GEMM's where ``streaming_multiprocessors`` is given, as the
+    presets do: :data:`A100_MATMUL_EFFICIENCY`, :data:`H100_MATMUL_EFFICIENCY`), the memory-bound kernels
     (norms, activations, residual adds, softmax, the optimizer) then cost their bytes ÷ ``memory_bandwidth``;
     without it, of all compute (0.5: well-tuned dense transformer training reports 40-60% MFU).
     ``host_bandwidth`` (bytes/s per GPU and direction, PCIe) and ``host_memory_bandwidth`` (the CPU memory's
@@ -94,6 +104,10 @@ class Cluster:
     memory_bandwidth: Optional[float] = None
     host_bandwidth: Optional[float] = None
     host_memory_bandwidth: Optional[float] = None
+    # the GPU's kernel profile (the presets give it): with it, matmuls are timed from their shapes at
+    # ``efficiency`` for a large aligned GEMM, flash attention at ``attention_efficiency`` (planner/kernels.py)
+    streaming_multiprocessors: Optional[int] = None
+    attention_efficiency: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_positive_values("Cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
@@ -120,8 +134,9 @@ class Cluster:
         fields = dict(nodes=nodes, gpus_per_node=gpus_per_node, memory_bytes=spec.memory_gib * GIB,
                       peak_flops=tflops * 1e12, intra_node_bandwidth=spec.intra_node_gbps * 1e9,
                       inter_node_bandwidth=spec.inter_node_gbps * 1e9, latency=NCCL_LATENCY,
-                      efficiency=PRESET_MATMUL_EFFICIENCY, memory_bandwidth=spec.memory_gbps * 1e9,
-                      host_bandwidth=spec.host_gbps * 1e9, host_memory_bandwidth=HOST_MEMORY_BANDWIDTH)
+                      efficiency=spec.matmul_efficiency, memory_bandwidth=spec.memory_gbps * 1e9,
+                      host_bandwidth=spec.host_gbps * 1e9, host_memory_bandwidth=HOST_MEMORY_BANDWIDTH,
+                      streaming_multiprocessors=spec.sms, attention_efficiency=spec.attention_efficiency)
         return cls(**{**fields, **overrides})
 
     @property

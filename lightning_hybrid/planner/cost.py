@@ -17,10 +17,10 @@ or ``lightning-hybrid plan --params 7e9 --seq-len 4096 --gpu h100-sxm --nodes 4 
 ``--layout "dp8 tp4"`` one layout's breakdown and rank), or inside a run ``HybridStrategy(tp="auto", pp="auto")``
 (:mod:`lightning_hybrid.planner.auto_layout`).
 
-Symbols: b sequences per microbatch, s sequence, h hidden, a heads, V vocabulary, L layers; t, d, R, p, v, m =
-tp, dp (shard), dp_replicate, pp, virtual stages, microbatches. The formulas: memory in :mod:`~.memory`, time in
-:mod:`~.step_time` (memory-bound kernels in :mod:`~.traffic`), the ranks computed in :mod:`~.step`; the fullest rank's
-memory and the busiest rank's time count.
+Symbols: b sequences per microbatch, s sequence, h hidden, a heads, V vocabulary, L layers; t, d, R, p, v, m = tp,
+dp (shard), dp_replicate, pp, virtual stages, microbatches. The formulas: memory in :mod:`~.memory`, time in
+:mod:`~.step_time` (memory-bound kernels in :mod:`~.traffic`, GEMMs and attention in :mod:`~.kernels`), the ranks
+computed in :mod:`~.step`; the fullest rank's memory and the busiest rank's time count.
 
 Gradient accumulation: with p = 1, ``Layout.microbatches`` = m is ``Trainer(accumulate_grad_batches=m)`` with a
 DataLoader batch of b = global batch / (d·R·m): the m microbatches run one after another, forward and backward
@@ -38,8 +38,9 @@ them, exactly; ZeRO-2 gathers the root (embeddings, head) twice per microbatch, 
 
 ``compile=True``: element-wise chains fused (:mod:`~.traffic`: the planner's only effect of it; matmuls run the
 same kernels, BENCHMARKS.md "torch.compile"); refused, as the strategy refuses it, with checkpointing under tp > 1
-and FSDP2. Not modeled: smaller microbatches' lower matmul efficiency (so at equal predicted time :func:`plan`
-ranks fewer accumulation steps first), zero-bubble schedules, the LoopedBFS/V placements, compute–communication
+and FSDP2. Matmuls are timed from their shapes with the presets' kernel profile (:mod:`~.kernels`: a smaller
+microbatch's partial tiles and waves cost in full; at equal predicted time :func:`plan` ranks fewer accumulation
+steps first). Not modeled: zero-bubble schedules, the LoopedBFS/V placements, compute–communication
 overlap inside tensor parallelism.
 """
 

@@ -3,7 +3,9 @@
 Compute: matmul FLOPs per token forward 2·(L·P_block + V·h) + 4·L·s·h (embedding lookups are free), ×3 with
 backward; a checkpointed block's forward runs again (selective checkpointing repeats no matmul); a rank runs its
 blocks ÷ t plus, last stage, the head (÷ t when sharded over the vocabulary; never recomputed: HybridStrategy
-checkpoints blocks); ÷ (peak × efficiency). Where the cluster gives ``memory_bandwidth``, the memory-bound kernels
+checkpoints blocks). With the GPU's kernel profile (the presets) the GEMMs run at peak × efficiency × their shapes'
+factor and the attention cores by their kernel (:mod:`~lightning_hybrid.planner.kernels`); without it every FLOP
+runs at peak × efficiency. Where the cluster gives ``memory_bandwidth``, the memory-bound kernels
 (:mod:`~lightning_hybrid.planner.traffic`) add their bytes ÷ that bandwidth.
 
 TP: 4 all-reduces of b·s·h per block and microbatch (6 when the block recomputes in full; selective keeps the
@@ -27,15 +29,18 @@ all positions for its heads' share), the head and loss whole; FSDP2 shards over 
 dp_shard × tp (tp innermost); a dimension uses NVLink iff each of its groups lies in one node. Every message also
 costs the cluster's ``latency`` α: TP one all-reduce per block, pass and microbatch, PP two messages per
 chunk-microbatch, FSDP one collective per unit (each block and the root) and pass. Overlap: TP and PP messages are
-exposed; FSDP/HSDP traffic hides behind compute and only the excess shows, but with pp > 1 the
-reduce-scatter/all-reduce follow the last backward (exposed); with ``overlap_communication=False`` (CPUs) all of it
-shows.
+exposed; FSDP/HSDP traffic hides behind compute as FSDP2 schedules it (each unit's all-gather prefetched behind the
+unit before, each reduce-scatter behind the next backward) and only the excess shows, plus, per accumulation step,
+what nothing precedes or follows (the root's and first block's all-gathers, their reduce-scatters and HSDP
+all-reduces: :func:`_unprefetched`); with pp > 1 the reduce-scatter/all-reduce follow the last backward (exposed);
+with ``overlap_communication=False`` (CPUs) all of it shows.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from lightning_hybrid.planner.kernels import attention_seconds, block_gemms, shape_factor
 from lightning_hybrid.planner.step import PipelineRank, StepShape
 from lightning_hybrid.planner.traffic import (BACKWARD_PER_FORWARD, accumulation_bytes, block_elementwise_bytes,
                                            loss_bytes_per_token, optimizer_bytes)
@@ -63,13 +68,12 @@ def _compute(step: StepShape, rank: PipelineRank) -> tuple[float, float]:
     model, cluster, t = step.model, step.cluster, step.layout.tp
     vocab_local = model.vocab / step.vocab_shards
     routed = model.moe_layers * model.experts_per_token * model.expert_parameters / model.layers  # per token
-    dense_flops = 2 * (model.active_parameters_per_block - routed) + 4 * model.seq_len * model.hidden  # forward
     # the routed experts' FLOPs are split over tp, or (expert parallelism) computed whole on every tp rank
-    block_flops = dense_flops / t + 2 * routed / (1 if step.layout.ep > 1 else t)
+    block_flops = 2 * (model.active_parameters_per_block - routed) / t + 2 * routed / (1 if step.layout.ep > 1 else t)
     passes = 3 * rank.blocks + rank.recomputed_blocks
     cp = step.layout.cp  # a rank's blocks compute its s/cp positions (its heads' share of attention); the head all
-    flops = step.tokens * (passes * block_flops / cp + rank.last * 3 * 2 * vocab_local * model.hidden)
-    matmuls = flops / (cluster.peak_flops * cluster.efficiency)
+    head_flops = rank.last * 3 * 2 * vocab_local * model.hidden
+    matmuls = _matmuls(step, rank, passes * block_flops / cp, head_flops)
     if cluster.memory_bandwidth is None:
         return matmuls, 0.0
     repeats = (1 + BACKWARD_PER_FORWARD) * rank.blocks + rank.recomputed_blocks + rank.selective_blocks
@@ -80,6 +84,22 @@ def _compute(step: StepShape, rank: PipelineRank) -> tuple[float, float]:
         moved += step.all_microbatches * accumulation_bytes(rank.local_parameters(step), step.bytes)
     memory_bound = moved / cluster.memory_bandwidth
     return matmuls + memory_bound, memory_bound
+
+
+def _matmuls(step: StepShape, rank: PipelineRank, block_flops: float, head_flops: float) -> float:
+    """Seconds of the rank's GEMMs (``block_flops`` and ``head_flops`` per token, forward and backward) and attention
+    cores: from their shapes with the GPU's kernel profile (:mod:`~.kernels`), else all FLOPs at one efficiency."""
+    model, cluster, layout = step.model, step.cluster, step.layout
+    attention = 4 * model.seq_len * model.hidden / layout.tp * (3 * rank.blocks + rank.recomputed_blocks) / layout.cp
+    rate = cluster.peak_flops * cluster.efficiency
+    if cluster.streaming_multiprocessors is None:
+        return step.tokens * (block_flops + attention + head_flops) / rate
+    rows = step.micro_batch * model.seq_len  # one microbatch's tokens (its blocks' rows: ÷ cp)
+    blocks = shape_factor(cluster, block_gemms(model, rows / layout.cp, layout.tp, layout.ep))
+    head = shape_factor(cluster, [(rows, model.vocab / step.vocab_shards, model.hidden, 1, 1)])
+    forward, backward = attention_seconds(cluster, model, step.micro_batch, layout.tp, layout.cp)
+    cores = step.all_microbatches * (forward * (rank.blocks + rank.recomputed_blocks) + backward * rank.blocks)
+    return step.tokens * (block_flops * blocks + head_flops * head) / rate + cores
 
 
 def _tensor_parallel(step: StepShape, rank: PipelineRank, activation_bytes: float) -> float:
@@ -177,7 +197,21 @@ def _data_parallel(step: StepShape, rank: PipelineRank, compute: float) -> tuple
         return gathers + reductions, gathers + reductions
     if p > 1:
         return gathers + reductions, max(0.0, gathers - compute) + reductions
-    return gathers + reductions, max(0.0, gathers + reductions - compute)
+    edges = min(gathers + reductions, _unprefetched(step, rank))
+    return gathers + reductions, edges + max(0.0, gathers + reductions - edges - compute)
+
+
+def _unprefetched(step: StepShape, rank: PipelineRank) -> float:
+    """What FSDP2's schedule cannot hide, per accumulation step: it prefetches each unit's all-gather behind the
+    unit before and reduce-scatters each block's gradients behind the next block's backward, but the first
+    all-gathers (the root unit's, the first block's) come before any compute and the last reduce-scatters (the first
+    block's, the root's: the embedding's gradient is the backward's last) after it, and so do HSDP's all-reduces of
+    those last shards."""
+    d, t, r, sizes, cluster = step.shard_ranks, step.layout.tp, step.layout.dp_replicate, step.bytes, step.cluster
+    link = cluster.link_bandwidth(d, t)
+    edge = rank.local_parameters(step) - (rank.blocks - 1) * step.block_local_parameters  # the root and one block
+    replicas = ring(edge / d * sizes.reduce, r, cluster.link_bandwidth(r, d * t), True)
+    return step.microbatches * (ring(edge * sizes.compute, d, link) + ring(edge * sizes.reduce, d, link) + replicas)
 
 
 def _optimizer(step: StepShape, rank: PipelineRank) -> float:

@@ -137,14 +137,16 @@ def cluster(memory_gib: float, gpus: int = 4, inter_node_bandwidth: float = 10e9
 
 
 def test_with_room_to_spare_data_parallelism_wins() -> None:
-    """dp4's FSDP traffic hides behind compute (MFU = the cluster's efficiency, 0.5); tensor parallelism exposes its
+    """dp4's FSDP traffic hides behind compute (but for its first and last collectives); tensor parallelism exposes its
     all-reduces and pipelines their bubble."""
     ranked = choose_layout(MODEL, cluster(80), DEGREES_ONLY, per_rank_batch=4, precision="bf16-mixed")
     assert ranked[0].layout == Layout(dp=4) and all(e.feasible for e in ranked)
     assert len({(e.layout.tp, e.layout.pp) for e in ranked}) == 6  # tp × pp over 4 devices: 1·4, 2·2, 4·1 ... 6
     dp4 = estimate(MODEL, cluster(80), Layout(dp=4), global_batch=16, precision="bf16-mixed")
     assert ranked[0].tokens_per_second == dp4.tokens_per_second
-    assert ranked[0].mfu == pytest.approx(0.5) and all(e.mfu < 0.49 for e in ranked[1:] if e.layout.dp < 4)
+    # MFU = the cluster's efficiency, 0.5, but for the first gathers and last reduce-scatters FSDP2 cannot hide
+    assert ranked[0].mfu == pytest.approx(0.5 * dp4.time.compute / dp4.time.step) and ranked[0].mfu > 0.48
+    assert all(e.mfu < ranked[0].mfu for e in ranked[1:] if e.layout.dp < 4)
 
 
 def test_memory_rules_out_data_parallelism_and_the_fastest_fitting_split_wins() -> None:

@@ -1,0 +1,184 @@
+"""The planner on modern kernels (issue 32): every published run the cost model is checked against, which of them
+fit its one matmul constant per GPU generation and which are held out, and the fit itself.
+
+The constants (``A100_MATMUL_EFFICIENCY``, ``H100_MATMUL_EFFICIENCY`` in lightning_hybrid/hardware.py: the share
+of peak a large, tile-aligned GEMM sustains; ``K_OVERHEAD`` in planner/kernels.py, one value for both; the rest
+follows from the GEMMs' shapes) are fitted so that the geometric mean of predicted / published over the fitted runs
+is 1 (``K_OVERHEAD``: the value of 0, 64, ..., 1024 with the smallest error over them):
+
+* A100: Narayanan et al. 2021, Table 1 (benchmarks/planner_megatron.py), all ten rows, as published;
+* H100: llm-foundry's MPT 1B, 7B and 30B on 8 H100s, and torchtitan's Llama 3.1 8B on 8 H100s, eager
+  (pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``, Table 1, first row).
+
+Held out: torchtitan's A100 runs (benchmarks/planner_torchtitan.py, the seven HybridStrategy runs as published), its
+other three bf16 H100 rows (torch.compile; 128 GPUs), llm-foundry's MPT 3B, 13B and 70B on H100s and its five A100
+rows (1B to 30B), and NeMo AutoModel's Llama
+3.1 70B on 64 DGX H100s (NVIDIA-NeMo/Automodel ``docs/performance-summary.md`` at e458120, FSDP2 32 × cp 2, full
+checkpointing, torch.compile, bf16). torchtitan's 70B and 405B H100 rows all train in float8, which the planner
+does not model: left out.
+
+Usage::
+
+    python benchmarks/planner_kernels.py          # every run: published, predicted, ratio, fitted or held out
+    python benchmarks/planner_kernels.py --fit    # + the constants refitted from the fitted runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.harness import markdown_table  # noqa: E402
+from benchmarks.planner_megatron import (TABLE_1, Row, a100_cluster, megatron_gpt, published_layout,  # noqa: E402
+                                         tflops_per_gpu)
+from benchmarks.planner_torchtitan import (A100_RUNS, H100_RUNS, LLAMA3_70B, Run, a100, grand_teton,  # noqa: E402
+                                           tokens_per_gpu)
+from benchmarks.planner_torchtitan import predict as predict_torchtitan  # noqa: E402
+from lightning_hybrid.hardware import Cluster  # noqa: E402
+from lightning_hybrid.planner.cost import estimate  # noqa: E402
+from lightning_hybrid.planner.layout import Layout  # noqa: E402
+from lightning_hybrid.planner.model import ModelShape  # noqa: E402
+
+#: NeMo AutoModel, Llama 3.1 70B pretraining on 64 DGX H100 (bf16): tokens/s per GPU as published, and its config
+#: (examples/llm_benchmark/llama3_3/custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml): dp 32 × cp 2 FSDP2, local
+#: batch 1, 4 accumulation steps (global batch 128), sequence 8192, activation checkpointing, torch.compile, sdpa.
+NEMO_70B_TOKENS_PER_GPU = 866.77
+NEMO_70B_LAYOUT = Layout(dp=32, cp=2, microbatches=4, activation_checkpointing="every", compile=True)
+
+
+#: torchtitan's H100s run at a 500 W power limit, their peak "between SXM and NVL" (the page): NVL's datasheet
+#: figure, the lower bound it names (at SXM's 989 every torchtitan H100 prediction is 989/835 = 1.18 times higher).
+TORCHTITAN_H100_PEAK_TFLOPS = 835
+
+#: MosaicML llm-foundry (mosaicml/llm-foundry scripts/train/benchmarking/README.md @c90b9b3): MPT at sequence 2048,
+#: PyTorch FSDP (FULL_SHARD: ZeRO-3), FlashAttention, bf16, no dropout, learned positions, tied head, biases (per
+#: block 12h² + 13h: the NumParams column is matched exactly). Per row: name, (hidden, heads, layers), GPUs,
+#: microbatch, accumulation steps, activation checkpointing, published tokens/s per GPU, NumParams, GPU preset (the
+#: tables "H100 80GB BF16", "A100 80GB ...", "A100 40GB with 1600 Gbps node-node interconnect").
+MPT_RUNS = (
+    ("MPT 1B", (2048, 16, 24), 8, 14, 1, None, 45455, 1_315_950_592, "h100-sxm"),
+    ("MPT 3B", (2560, 20, 32), 16, 10, 3, None, 24142, 2_651_837_440, "h100-sxm"),
+    ("MPT 7B", (4096, 32, 32), 8, 6, 1, None, 10643, 6_658_859_008, "h100-sxm"),
+    ("MPT 13B", (5120, 40, 40), 8, 2, 1, None, 4792, 12_853_954_560, "h100-sxm"),
+    ("MPT 30B", (7168, 56, 48), 8, 3, 21, "every", 2002, 29_975_214_080, "h100-sxm"),
+    ("MPT 70B", (8192, 64, 80), 64, 8, 4, "every", 1039, 64_862_437_376, "h100-sxm"),
+    ("MPT 1B", (2048, 16, 24), 8, 14, 4, None, 20513, 1_315_950_592, "a100-80gb"),
+    ("MPT 3B", (2560, 20, 32), 8, 5, 8, None, 10065, 2_651_837_440, "a100-40gb"),
+    ("MPT 7B", (4096, 32, 32), 8, 12, 4, "every", 3679, 6_658_859_008, "a100-40gb"),
+    ("MPT 13B", (5120, 40, 40), 32, 14, 1, "every", 1998, 12_853_954_560, "a100-40gb"),
+    ("MPT 30B", (7168, 56, 48), 32, 4, 1, "every", 857, 29_975_214_080, "a100-40gb"),
+)
+MPT_VOCAB, MPT_SEQUENCE = 50368, 2048
+#: The MPT rows the H100 constant is fitted on (the others, and every A100 one, are held out).
+MPT_FITTED = (("MPT 1B", "h100-sxm"), ("MPT 7B", "h100-sxm"), ("MPT 30B", "h100-sxm"))
+
+
+def mpt(hidden: int, heads: int, layers: int) -> ModelShape:
+    """llm-foundry's MPT benchmark model: per block 12h² + 13h parameters (biases; LayerNorm weight and bias), learned
+    positions, tied head, flash attention, eager element-wise kernels."""
+    h = hidden
+    return ModelShape(layers=layers, hidden=h, heads=heads, vocab=MPT_VOCAB, seq_len=MPT_SEQUENCE,
+                      parameters_per_block=12 * h * h + 13 * h, whole_parameters_per_block=6 * h,
+                      first_stage_parameters=(MPT_VOCAB + MPT_SEQUENCE) * h, last_stage_parameters=2 * h,
+                      tied_embeddings=True)
+
+
+class Published(NamedTuple):
+    """One published run: where from, what it ran, the published figure, the GPU generation it checks, whether it
+    fits that generation's constant, and its prediction for a given matmul efficiency."""
+
+    source: str
+    config: str
+    published: float
+    generation: str  # "a100" or "h100"
+    fitted: bool
+    predict: Callable[[float], float]
+
+
+def _megatron(efficiency: float, row: Row) -> float:
+    cluster = replace(a100_cluster(row), efficiency=efficiency)
+    return tflops_per_gpu(row, estimate(megatron_gpt(row), cluster, published_layout(row), row.batch))
+
+
+def _torchtitan(efficiency: float, run: Run, cluster: Cluster) -> float:
+    return tokens_per_gpu(run, predict_torchtitan(run, replace(cluster, efficiency=efficiency)))
+
+
+def _nemo(efficiency: float) -> float:
+    cluster = Cluster.preset("h100-sxm", nodes=8, efficiency=efficiency)
+    return estimate(LLAMA3_70B, cluster, NEMO_70B_LAYOUT, 128).tokens_per_second / 64
+
+
+def _mpt(efficiency: float, row: tuple) -> float:
+    _, dims, gpus, micro, steps, checkpointing, _, _, gpu = row
+    cluster = Cluster.preset(gpu, nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus), efficiency=efficiency)
+    layout = Layout(dp=gpus, microbatches=steps if steps > 1 else None, activation_checkpointing=checkpointing)
+    return estimate(mpt(*dims), cluster, layout, gpus * micro * steps).tokens_per_second / gpus
+
+
+def published_runs() -> list[Published]:
+    runs = [Published("Narayanan et al. 2021, Table 1", f"GPT {row.billions:g}B, {row.gpus} A100, t{row.tp} p{row.pp}"
+                      f" b{row.micro_batch}, TFLOP/s per GPU", row.published_tflops, "a100", True,
+                      lambda e, row=row: _megatron(e, row)) for row in TABLE_1]
+    runs += [Published("torchtitan docs/performance.md @0413364", f"{run.name}, 64 A100, local batch"
+                       f" {run.local_batch}, {run.published_as}", run.published, "a100", False,
+                       lambda e, run=run: _torchtitan(e, run, a100(run)))
+             for run in A100_RUNS if not (run.name == "Llama 2 70B" and run.published_as == "selective op")]
+    runs += [Published("torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bf",
+                       f"{run.name}, {run.gpus} H100 (500 W), local batch 2, {run.published_as}", run.published,
+                       "h100", index == 0,
+                       lambda e, run=run: _torchtitan(e, run, grand_teton(run, TORCHTITAN_H100_PEAK_TFLOPS)))
+             for index, run in enumerate(H100_RUNS)]
+    runs += [Published("llm-foundry benchmarking/README.md @c90b9b3", f"{row[0]}, {row[2]} {row[8].upper()},"
+                       f" microbatch {row[3]}, acc {row[4]}, {'full AC' if row[5] else 'no AC'}", row[6],
+                       row[8][:4], (row[0], row[8]) in MPT_FITTED, lambda e, row=row: _mpt(e, row)) for row in MPT_RUNS]
+    runs.append(Published("NeMo AutoModel docs/performance-summary.md @e458120", "Llama 3.1 70B, 64 DGX H100,"
+                          " FSDP2 32 × cp 2, local batch 1, acc 4, full AC, compile", NEMO_70B_TOKENS_PER_GPU, "h100",
+                          False, _nemo))
+    return runs
+
+
+def fit(generation: str) -> float:
+    """The matmul efficiency at which the fitted runs of ``generation`` are right on geometric average."""
+    fitted = [run for run in published_runs() if run.generation == generation and run.fitted]
+
+    def log_error(efficiency: float) -> float:
+        return sum(math.log(run.predict(efficiency) / run.published) for run in fitted) / len(fitted)
+
+    low, high = 0.2, 1.0
+    for _ in range(30):  # predictions grow with the efficiency: bisect the log error's zero
+        low, high = (low, (low + high) / 2) if log_error((low + high) / 2) > 0 else ((low + high) / 2, high)
+    return (low + high) / 2
+
+
+def table() -> str:
+    rows = []
+    for run in published_runs():
+        efficiency = Cluster.preset(f"{run.generation}-sxm" if run.generation == "h100" else "a100-80gb").efficiency
+        predicted = run.predict(efficiency)
+        rows.append([run.source, run.config, f"{run.published:,.0f}", f"{predicted:,.0f}",
+                     f"{predicted / run.published:.2f}", "fitted" if run.fitted else "held out"])
+    return markdown_table(["source", "run", "published", "predicted", "predicted / published", "role"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fit", action="store_true", help="also refit the matmul efficiency of each generation")
+    args = parser.parse_args()
+    print(table())
+    if args.fit:
+        print()
+        for generation in ("a100", "h100"):
+            print(f"{generation}: matmul efficiency fitted on its fitted runs = {fit(generation):.3f}")
+
+
+if __name__ == "__main__":
+    main()

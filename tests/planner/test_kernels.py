@@ -1,0 +1,111 @@
+"""The kernel model (planner/kernels.py): GEMMs timed from their shapes (tiles, waves, each tile's fixed cost, the
+memory roofline), attention by the kernel that runs it, and the published runs it is fitted on and checked against
+(benchmarks/planner_kernels.py). Arithmetic only."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_hybrid.hardware import A100_MATMUL_EFFICIENCY, H100_MATMUL_EFFICIENCY, Cluster
+from lightning_hybrid.planner.kernels import K_OVERHEAD, TILE, attention_seconds, gemm_seconds, shape_factor
+from lightning_hybrid.planner.model import ModelShape
+
+#: 4 SMs of 1 TFLOP/s each at efficiency 1, 1 TB/s of memory.
+FOUR_SMS = Cluster(nodes=1, gpus_per_node=1, memory_bytes=1e9, peak_flops=4e12, intra_node_bandwidth=1e9,
+                   inter_node_bandwidth=1e9, efficiency=1.0, memory_bandwidth=1e12, streaming_multiprocessors=4,
+                   attention_efficiency=0.25)
+ONE_TILE = 2 * TILE * TILE * (1024 + K_OVERHEAD) / 1e12  # a 128 × 128 tile of k = 1024 on one SM
+
+
+def test_a_partial_tile_costs_a_whole_one_and_a_partial_wave_a_whole_wave() -> None:
+    assert gemm_seconds(FOUR_SMS, 128, 128, 1024) == pytest.approx(ONE_TILE)
+    assert gemm_seconds(FOUR_SMS, 128, 129, 1024) == pytest.approx(ONE_TILE)  # 2 tiles, one wave of 4 SMs
+    assert gemm_seconds(FOUR_SMS, 512, 128, 1024) == pytest.approx(ONE_TILE)  # 4 tiles: one wave
+    assert gemm_seconds(FOUR_SMS, 640, 128, 1024) == pytest.approx(2 * ONE_TILE)  # 5 tiles: two waves
+
+
+def test_each_tile_pays_a_fixed_cost_in_k_and_a_low_intensity_gemm_its_bytes() -> None:
+    long, short = gemm_seconds(FOUR_SMS, 512, 128, 8 * 1024), gemm_seconds(FOUR_SMS, 512, 128, 1024)
+    assert long / short == pytest.approx((8 * 1024 + K_OVERHEAD) / (1024 + K_OVERHEAD))
+    slow_memory = Cluster(**{**FOUR_SMS.__dict__, "memory_bandwidth": 1e9})
+    # 512 × 128 × 1024: A, B and C once, 2 B each, over 1 GB/s, far above the tile's compute time
+    assert gemm_seconds(slow_memory, 512, 128, 1024) == pytest.approx(2 * (512 * 1024 + 1024 * 128 + 512 * 128) / 1e9)
+
+
+def test_large_aligned_gemms_run_at_the_efficiency_but_for_the_fixed_cost_in_k() -> None:
+    # Forward 4096 × 4096 × 4096 and both backward GEMMs: 1024 tiles each, 256 whole waves of the 4 SMs
+    assert shape_factor(FOUR_SMS, [(4096, 4096, 4096, 1, 1)]) == pytest.approx((4096 + K_OVERHEAD) / 4096)
+
+
+def test_flash_attention_computes_the_causal_half_and_backward_recomputes_the_scores() -> None:
+    model = ModelShape(layers=1, hidden=1024, heads=8, vocab=128, seq_len=2048)
+    forward, backward = attention_seconds(FOUR_SMS, model, sequences=2, tp=2, cp=1)
+    flops = 2 * (2 * 8 / 2) * 2048 * 2048 * 128  # QKᵀ and scores × V for 8 heads ÷ tp 2, halved (causal)
+    assert forward == pytest.approx(flops / (4e12 * 0.25)) and backward == pytest.approx(2.5 * forward)
+    materialized = ModelShape(layers=1, hidden=1024, heads=8, vocab=128, seq_len=2048, flash_attention=False)
+    forward, backward = attention_seconds(FOUR_SMS, materialized, sequences=2, tp=2, cp=1)
+    scores, values = gemm_seconds(FOUR_SMS, 2048, 2048, 128, 8), gemm_seconds(FOUR_SMS, 2048, 128, 2048, 8)
+    assert forward == pytest.approx(scores + values) and backward == pytest.approx(scores + 3 * values)
+
+
+def test_the_presets_carry_the_kernel_profile_and_a_hand_made_cluster_keeps_one_efficiency() -> None:
+    a100, h100 = Cluster.preset("a100-80gb"), Cluster.preset("h100-sxm")
+    assert (a100.streaming_multiprocessors, a100.efficiency, a100.attention_efficiency) == (108, 0.82, 0.55)
+    assert (h100.streaming_multiprocessors, h100.efficiency, h100.attention_efficiency) == (132, 0.51, 0.35)
+    assert Cluster(nodes=1, gpus_per_node=1, memory_bytes=1, peak_flops=1, intra_node_bandwidth=1,
+                   inter_node_bandwidth=1).streaming_multiprocessors is None
+
+
+# ------------------------------------------------------------------------------------- the published runs
+def test_the_matmul_efficiencies_are_those_the_fitted_runs_give() -> None:
+    from benchmarks.planner_kernels import fit
+
+    assert fit("a100") == pytest.approx(A100_MATMUL_EFFICIENCY, abs=0.005)
+    assert fit("h100") == pytest.approx(H100_MATMUL_EFFICIENCY, abs=0.005)
+
+
+#: Published tokens/s per GPU, written from the sources (not produced by the code): torchtitan
+#: benchmarks/llama3_h100_202412_torchtitan.md Tables 1 and 3 (bf16 rows), llm-foundry scripts/train/benchmarking/
+#: README.md "H100 80GB BF16", NeMo AutoModel docs/performance-summary.md (Llama3 70B). Each with the band its
+#: predicted / published ratio lies in: ±15 % where the planner reproduces it, the miss where it does not.
+H100_PUBLISHED = {
+    "Llama 3.1 8B, 8 H100 (500 W), local batch 2, selective op": (5762, 0.85, 1.15),
+    "Llama 3.1 8B, 8 H100 (500 W), local batch 2, selective op, torch.compile": (6667, 0.85, 1.15),
+    "Llama 3.1 8B, 128 H100 (500 W), local batch 2, selective op": (5605, 0.85, 1.15),
+    "Llama 3.1 8B, 128 H100 (500 W), local batch 2, selective op, torch.compile": (6514, 0.85, 1.15),
+    "MPT 1B, 8 H100-SXM, microbatch 14, acc 1, no AC": (45455, 0.85, 1.15),
+    "MPT 3B, 16 H100-SXM, microbatch 10, acc 3, no AC": (24142, 0.85, 1.15),
+    "MPT 7B, 8 H100-SXM, microbatch 6, acc 1, no AC": (10643, 0.85, 1.15),
+    "MPT 13B, 8 H100-SXM, microbatch 2, acc 1, no AC": (4792, 0.85, 1.15),
+    "MPT 30B, 8 H100-SXM, microbatch 3, acc 21, full AC": (2002, 0.85, 1.15),
+    # Held out and missed: the large GEMMs of a 70B model run faster than the shape model gives (HFU 57 %).
+    "MPT 70B, 64 H100-SXM, microbatch 8, acc 4, full AC": (1039, 0.80, 0.88),
+    # Held out and missed: FSDP2 over 64 GPUs on 8 nodes moves 8 × 141 GB a step at 50 GB/s per GPU in the
+    # planner's ring, more than the published step; NCCL's rings over the node's 8 NICs are faster (not modelled).
+    "Llama 3.1 70B, 64 DGX H100, FSDP2 32 × cp 2, local batch 1, acc 4, full AC, compile": (866.77, 0.38, 0.46),
+}
+
+
+#: llm-foundry's A100 rows (held out: the A100 constant is fitted on Narayanan et al.'s Table 1 alone).
+A100_MPT_PUBLISHED = {
+    "MPT 1B, 8 A100-80GB, microbatch 14, acc 4, no AC": (20513, 0.85, 1.15),
+    # Held out and missed: the 2560-wide model's GEMMs and flash attention run slower than the model gives.
+    "MPT 3B, 8 A100-40GB, microbatch 5, acc 8, no AC": (10065, 1.15, 1.25),
+    "MPT 7B, 8 A100-40GB, microbatch 12, acc 4, full AC": (3679, 0.85, 1.15),
+    "MPT 13B, 32 A100-40GB, microbatch 14, acc 1, full AC": (1998, 0.85, 1.15),
+    "MPT 30B, 32 A100-40GB, microbatch 4, acc 1, full AC": (857, 0.85, 1.15),
+}
+
+
+@pytest.mark.parametrize("generation, published, efficiency", [("h100", H100_PUBLISHED, H100_MATMUL_EFFICIENCY),
+                                                               ("a100", A100_MPT_PUBLISHED, A100_MATMUL_EFFICIENCY)])
+def test_every_published_modern_kernel_run_is_predicted_in_its_band(generation: str, published: dict,
+                                                                     efficiency: float) -> None:
+    from benchmarks.planner_kernels import published_runs
+
+    runs = {run.config: run for run in published_runs() if run.generation == generation}
+    assert set(published) <= set(runs)
+    for config, (figure, low, high) in published.items():
+        run = runs[config]
+        assert run.published == figure, config
+        assert low <= run.predict(efficiency) / figure <= high, config
