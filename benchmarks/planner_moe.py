@@ -16,14 +16,13 @@ degrees, next to the layouts the planner prefers:
 * HybridStrategy keeps the experts whole over tp (every tp rank computes its replica's tokens' experts); Megatron
   splits the tokens over tp ranks (sequence parallelism) before dispatching;
 * DeepEP's kernels overlap the exchange; the planner counts the all-to-all as exposed, assumes balanced routing and
-  prices a grouped GEMM at the dense matmuls' efficiency.
+  prices each local expert's GEMMs on its balanced share of the rows (planner/kernels.py).
 
-So the published figure is not reproduced: priced as HybridStrategy runs them, the published degrees take 62.8 s
-(42.4 s of it an all-to-all over InfiniBand, and the experts computed twice over tp). What is comparable is the
-work: the planner's compute term for the same tokens, experts and full recomputation without tp (10.0 s, at 70 % of
-peak on dense matmuls) is 57 % of the published step; the rest of that step is what the planner does not price
-(grouped GEMMs of 8 experts of width 1536 per token run far below dense matmul efficiency; routing imbalance;
-Megatron-FSDP's and DeepEP's exposed time). Usage::
+So the published figure is not reproduced as published: priced as HybridStrategy runs them, the published degrees
+take 67.3 s (42.4 s of it an all-to-all over InfiniBand, and the experts computed twice over tp). What is comparable
+is the work: the planner's compute term for the same tokens, experts and full recomputation without tp (14.8 s, the
+GEMMs by their shapes) is 84 % of the published step, and ep 8 inside a node predicts the published 17.6 s step;
+routing imbalance and Megatron-FSDP's and DeepEP's exposed time are not priced. Usage::
 
     python benchmarks/planner_moe.py
 """
