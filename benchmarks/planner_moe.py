@@ -19,9 +19,9 @@ degrees, next to the layouts the planner prefers:
   prices each local expert's GEMMs on its balanced share of the rows (planner/kernels.py).
 
 So the published figure is not reproduced as published: priced as HybridStrategy runs them, the published degrees
-take 67.3 s (42.4 s of it an all-to-all over InfiniBand, and the experts computed twice over tp). What is comparable
-is the work: the planner's compute term for the same tokens, experts and full recomputation without tp (14.8 s, the
-GEMMs by their shapes) is 84 % of the published step, and ep 8 inside a node predicts the published 17.6 s step;
+take 67.1 s (42.4 s of it an all-to-all over InfiniBand, and the experts computed twice over tp). What is comparable
+is the work: the planner's compute term for the same tokens, experts and full recomputation without tp (14.7 s, the
+GEMMs by their shapes) is 83 % of the published step, and ep 8 inside a node predicts a 17.4 s step (published 17.6);
 routing imbalance and Megatron-FSDP's and DeepEP's exposed time are not priced. Usage::
 
     python benchmarks/planner_moe.py

@@ -150,7 +150,7 @@ def _add_plan_command(commands: Any) -> None:
     cluster.add_argument("--nodes", type=int, default=1)
     cluster.add_argument("--gpus-per-node", type=int, default=8)
     cluster.add_argument("--efficiency", type=float, help="achievable share of peak: of a large aligned GEMM with"
-                         " a preset (A100 0.82, H100 0.51; the shapes give the rest), else of all compute (default"
+                         " a preset (A100 0.77, H100 0.50; the shapes give the rest), else of all compute (default"
                          " 0.5)")
     _add_strategy_options(plan)
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")

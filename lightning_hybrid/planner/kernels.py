@@ -37,7 +37,7 @@ TILE = 128
 #: Elements of k whose main-loop time a tile spends outside that loop (prologue, epilogue, and what else makes short
 #: k slow): one value for every GPU, fitted with the matmul efficiencies (the smallest error over their fitted runs;
 #: benchmarks/planner_kernels.py).
-K_OVERHEAD = 512
+K_OVERHEAD = 384
 #: Bytes per element of a GEMM's operands (bf16).
 OPERAND_BYTES = 2
 #: Backward FLOPs of flash attention per forward FLOP (the scores recomputed: 5 matmuls against 2).
