@@ -12,7 +12,8 @@ cores). The model, per GEMM of m × n × k (bf16, on one tp rank):
   (pipeline fill, epilogue writing C), so a short k runs at k/(k + K_OVERHEAD) of the long-k rate;
 * **roofline**: at least its bytes (A, B read, C written once) ÷ the memory bandwidth (low arithmetic intensity);
 * the rest is one fitted number per GPU generation, ``Cluster.efficiency``: the share of peak a large, aligned GEMM
-  sustains (:data:`~lightning_hybrid.hardware.GPU_PRESETS`, BENCHMARKS.md "Planner on modern kernels").
+  sustains in its main loop, i.e. as k grows (:data:`~lightning_hybrid.hardware.GPU_PRESETS`, BENCHMARKS.md "Planner
+  on modern kernels").
 
 Backward runs each forward GEMM (m, n, k) twice more: the input gradient (m, k, n) and the weight gradient
 (n, k, m). The parameter-counted FLOPs (:mod:`~.step_time`) stay the measure of work; the shapes give the factor by
