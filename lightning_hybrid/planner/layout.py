@@ -134,7 +134,7 @@ class MemoryBreakdown:
     gathered_parameters: float
     activations: float  # pipeline receive buffers included
     logits: float
-    receive_buffers: float = 0.0  # receive buffers beyond the inputs in flight (≤ 3·b·s·h), part of ``activations``
+    receive_buffers: float = 0.0  # beyond the inputs in flight (≤ 3·b·s·h), part of ``activations``
     offloaded: float = 0.0  # offload=True: model states held in CPU memory instead (not in ``total``)
 
     @property

@@ -9,8 +9,8 @@ Example::
 
 Ranks computed: without a pipeline the one rank; with one, the first (embedding; the most microbatches in flight),
 the last (head, logits) and, for pp ≥ 3, the second, standing for the middle ones: a middle stage receives both
-activations and gradients, so it holds the most receive buffers (three b·s·h, independent of m). Blocks: ⌈L/(p·v)⌉ per
-stage (HybridStrategy balances FLOPs, which may move one off the head's stage).
+activations and gradients, so it holds the most receive buffers (three b·s·h, independent of m). Blocks: ⌈L/(p·v)⌉
+per stage (HybridStrategy balances FLOPs, which may move one off the head's stage).
 """
 
 from __future__ import annotations
