@@ -81,33 +81,42 @@ def _measured(function: Callable[..., Any], into: dict[str, PeakRSS], name: str)
     return wrapper
 
 
-def run_rank(weights: Path, out: Path) -> None:
-    """One rank: validate once with the checkpoint loaded under tp2 × pp2; write this rank's numbers."""
+def validate_meta_llama(config: dict[str, Any], **strategy_kwargs: Any) -> tuple[Any, Any]:
+    """Validate once a ``LlamaForCausalLM`` of ``config`` built on the meta device, under
+    ``HybridStrategy(tp=2, pp=2, **strategy_kwargs)`` on :data:`WORLD` CPU ranks: (trainer, LightningModule)."""
     import torch
     from lightning.pytorch import LightningModule, Trainer
     from torch.utils.data import DataLoader, TensorDataset
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_hybrid import HybridStrategy, strategy
-    from lightning_hybrid.parallel import parallelize
+    from lightning_hybrid import HybridStrategy
 
     class Module(LightningModule):
         def configure_model(self) -> None:
             with torch.device("meta"):
-                self.model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+                self.model = LlamaForCausalLM(LlamaConfig(**config))
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             self.log("val_loss", self.model(batch[0], labels=batch[0]).loss)
+
+    module = Module()
+    trainer = Trainer(accelerator="cpu", devices=WORLD, strategy=HybridStrategy(tp=2, pp=2, **strategy_kwargs),
+                      logger=False, enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=1)
+    data = DataLoader(TensorDataset(torch.randint(0, config["vocab_size"], (4, 16))), batch_size=4)
+    trainer.validate(module, data)
+    return trainer, module
+
+
+def run_rank(weights: Path, out: Path) -> None:
+    """One rank: validate once with the checkpoint loaded under tp2 × pp2; write this rank's numbers."""
+    from lightning_hybrid import strategy
+    from lightning_hybrid.parallel import parallelize
 
     peaks: dict[str, PeakRSS] = {}
     parallelize.load_pretrained = _measured(parallelize.load_pretrained, peaks, "load")
     parallelize.apply_materialization = _measured(parallelize.apply_materialization, peaks, "materialize")
     strategy.parallelize = _measured(strategy.parallelize, peaks, "driver")  # the name the strategy calls
-    module = Module()
-    trainer = Trainer(accelerator="cpu", devices=WORLD, strategy=HybridStrategy(tp=2, pp=2, weights=str(weights)),
-                      logger=False, enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=1)
-    data = DataLoader(TensorDataset(torch.randint(0, CONFIG["vocab_size"], (4, 16))), batch_size=4)
-    trainer.validate(module, data)
+    trainer, module = validate_meta_llama(CONFIG, weights=str(weights))
     held = [t.to_local() if hasattr(t, "to_local") else t for t in module.state_dict().values()]
     share = sum(t.numel() * t.element_size() for t in held if not t.is_meta)
     driver, load, made = peaks["driver"], peaks["load"], peaks["materialize"]

@@ -102,7 +102,7 @@ class PipelineSchedule:
 
     def stage_ranks(self) -> dict[int, int]:
         """Stage index → pipeline rank that runs it."""
-        from lightning_hybrid._compat import stage_to_rank
+        from lightning_hybrid._compat.pipelining import stage_to_rank
 
         return stage_to_rank(self.pp, self.num_stages, self.placement)
 

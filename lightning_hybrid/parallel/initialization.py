@@ -11,16 +11,19 @@ LightningModule, and initialized by the first of these that writes any of its te
    rescales its blocks' ``c_proj`` from the attention module);
 3. the module's own ``reset_parameters()`` (torch's convention), for a module holding parameters or buffers.
 
-Initializers run on full-size temporary tensors; each rank then copies out the slices its DTensor shards hold and
-drops the temporaries. Which tensors an initializer writes is learnt first by running it on meta-device stand-ins
+An initializer that only fills tensors with random draws and element-wise operations (``normal_``, ``uniform_``,
+``zero_``, ``mul_``, … — torch's and Hugging Face's initializers) is replayed on each rank's own shards, drawing a
+sharded tensor in chunks of rows and keeping its part (:mod:`~lightning_hybrid.parallel.shard_init`): no full-size
+tensor exists. Any other initializer runs on full-size temporary tensors; each rank then copies out the slices its
+DTensor shards hold and drops the temporaries. Which tensors an initializer writes is learnt first by running it on meta-device stand-ins
 under a dispatch mode that records every aten operator's written arguments — so an initializer may write
 anything in its module's subtree, and only what it writes is ever allocated in full. So:
 
 * the values do not depend on the layout, the rank, the pipeline stage or the order modules are visited in —
   dp, tp and pp runs, and a single device calling :func:`init_weights`, produce the same numbers;
-* no rank ever holds the whole model: beyond its own shards, a rank holds the full tensors one initializer
-  writes (a tensor written by several, such as GPT-2's ``c_proj`` weight, stays in full until its last writer),
-  and only for modules of its own pipeline stages;
+* no rank ever holds the whole model: beyond its own shards, a rank holds one chunk of a replayed initializer, or
+  the full tensors one other initializer writes (a tensor written by several, such as GPT-2's ``c_proj`` weight,
+  stays in full until its last writer), and only for modules of its own pipeline stages;
 * nothing is communicated (each rank computes the same full tensor and keeps its part).
 
 Values recorded while the model was built on the meta device (``known``: buffers and constant parameters such
@@ -60,7 +63,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_hybrid._compat import TorchDispatchMode, compute_local_shape_and_global_offset, written_tensors
+from lightning_hybrid._compat import compute_local_shape_and_global_offset
+from lightning_hybrid.parallel.shard_init import ReplayRecorder, Write, replay, target_of
 
 #: The LightningModule method :func:`init_weights` calls for every module first (see the module docstring).
 HOOK = "init_module_weights"
@@ -76,6 +80,7 @@ class _Step:
     seed: int
     slots: list[tuple[Slot, Tensor]]
     writes: list[Tensor]
+    replayed: Optional[list[Write]]  # how it writes, if it can be replayed on shards (see shard_init)
 
 
 def module_seed(seed: int, module_name: str) -> int:
@@ -110,9 +115,13 @@ def init_weights(root: nn.Module, seed: int, known: Collection[str] = (), skip: 
             f" own parameters and buffers (as torch.nn.Linear does), define {HOOK} on the LightningModule, or build"
             " the model eagerly in the LightningModule's __init__."
         )
+    _keep_full_size_writers_whole(steps)
     last_writer = {id(t): index for index, step in enumerate(steps) for t in step.writes}
     full: dict[int, Tensor] = {}
     for index, step in enumerate(steps):
+        if step.replayed is not None:
+            _replay_on_shards(step)
+            continue
         _run_on_full_tensors(step, full)
         for original in step.writes:
             if last_writer[id(original)] == index and (value := full.pop(id(original))) is not original:
@@ -184,36 +193,56 @@ def _plan(root: nn.Module, name: str, module: nn.Module, owner: Optional[nn.Modu
         return None
     seed = module_seed(seed, name)
     for run in _initializers(root, module, owner):
-        writes = _dry_run(run, seed, slots)
+        writes, replayed = _dry_run(run, seed, slots)
         if writes:
-            return _Step(run, seed, slots, writes)
+            return _Step(run, seed, slots, writes, replayed)
     return None
 
 
-class _WriteRecorder(TorchDispatchMode):
-    """Records the storage of every tensor an aten operator writes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: set[StorageWeakRef] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        self.storages.update(StorageWeakRef(t.untyped_storage()) for t in written_tensors(func, args, kwargs))
-        return func(*args, **kwargs)
-
-
-def _dry_run(run: Callable[[], Any], seed: int, slots: list[tuple[Slot, Tensor]]) -> list[Tensor]:
-    """The original tensors ``run`` writes, learnt by running it on meta-device stand-ins."""
+def _dry_run(run: Callable[[], Any], seed: int, slots: list[tuple[Slot, Tensor]]) -> tuple[list[Tensor], Any]:
+    """The original tensors ``run`` writes, and how if it can be replayed on shards (else None), learnt by running
+    it on meta-device stand-ins."""
     stand_ins: dict[int, Tensor] = {}
     for _, original in slots:
         stand_ins.setdefault(id(original), _stand_in(original, "meta"))
     originals = {id(original): original for _, original in slots}
-    recorder = _WriteRecorder()
+    recorder = ReplayRecorder({StorageWeakRef(t.untyped_storage()): originals[key] for key, t in stand_ins.items()})
     with _swapped(slots, stand_ins), _seeded(seed, []), recorder:
         run()
-    return [originals[key] for key, stand_in in stand_ins.items()
-            if StorageWeakRef(stand_in.untyped_storage()) in recorder.storages]
+    writes = [originals[key] for key, stand_in in stand_ins.items()
+              if StorageWeakRef(stand_in.untyped_storage()) in recorder.storages]
+    return writes, recorder.writes
+
+
+def _keep_full_size_writers_whole(steps: list[_Step]) -> None:
+    """A tensor that one initializer writes on full-size temporaries is written so by all its initializers (a later
+    one may read what an earlier one wrote): their steps are not replayed."""
+    while True:
+        full_size = {id(t) for step in steps if step.replayed is None for t in step.writes}
+        changed = [step for step in steps
+                   if step.replayed is not None and any(id(t) in full_size for t in step.writes)]
+        if not changed:
+            return
+        for step in changed:
+            step.replayed = None
+
+
+def _replay_on_shards(step: _Step) -> None:
+    """Replay ``step`` on the parts of its tensors this rank holds; a strided shard is replayed on a full-size
+    temporary of its own, then dealt (the same chunks, so the same values)."""
+    targets, strided = {}, []
+    for original in step.writes:
+        target = target_of(original)
+        if target is None:
+            whole = torch.empty(original.shape, dtype=original.dtype, device=_local(original).device)
+            target = target_of(whole)
+            strided.append((original, whole))
+        targets[id(original)] = target
+    devices = [d.index for d in {_local(t).device for t in step.writes} if d.type == "cuda"]
+    with _seeded(step.seed, devices):
+        replay(step.replayed, targets)
+    for original, whole in strided:
+        _local(original).copy_(_keep_local_part(whole, original))
 
 
 @torch.no_grad()

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_hybrid._compat import resize_stage_buffers, stage_buffers_ready, tree_flatten, tree_unflatten
+from lightning_hybrid._compat import tree_flatten, tree_unflatten
+from lightning_hybrid._compat.pipelining import resize_stage_buffers, stage_buffers_ready
 
 _MEAN_LOSSES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
 

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 
-from lightning_hybrid._compat import keep_forward_actions, tree_map
+from lightning_hybrid._compat import tree_map
+from lightning_hybrid._compat.pipelining import keep_forward_actions, pipeline_stage, release_sends_on_arrival
 from lightning_hybrid.mesh import PIPELINE
 from lightning_hybrid.options.schedules import PipelineSchedule
 from lightning_hybrid.pipeline.dispatch import (ActiveStage, StageOutput, UnitDispatcher, make_shadows, remote_unit,
@@ -350,8 +350,9 @@ class Pipeline:
         send/receive shapes on its first step, switching modes on one schedule would redo that and clear gradients,
         and :class:`StageBuffers` refits the buffers when a step's shapes change."""
         if training not in self._schedules:
+            release_sends_on_arrival()
             stages = [
-                PipelineStage(self.stage_modules[s], s, self.schedule.num_stages, self._device, group=self._group)
+                pipeline_stage(self.stage_modules[s], s, self.schedule.num_stages, self._device, self._group)
                 for s in self.stage_ids
             ]
             for stage in stages:

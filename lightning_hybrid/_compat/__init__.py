@@ -1,8 +1,9 @@
 """Every private torch and Lightning name the package relies on, each with the reason no public API serves.
 
-No other module imports an underscore name of torch or Lightning or reads an underscore attribute of an object
-it does not own; when a public API appears, the change is made here. Heavy imports (torch's pipelining,
-Lightning) wait inside the functions that need them, so importing this module costs torch alone.
+No module outside this package imports an underscore name of torch or Lightning or reads an underscore attribute
+of an object it does not own; when a public API appears, the change is made here. Those of torch's pipelining live
+in :mod:`lightning_hybrid._compat.pipelining`. Heavy imports (Lightning) wait inside the functions that need them,
+so importing this module costs torch alone.
 
 The strategy also uses, as a subclass, protected members of Lightning's ``ModelParallelStrategy`` that Lightning's
 own strategies use the same way: ``_precision_plugin`` (the storage behind the ``precision_plugin`` property it
@@ -132,76 +133,6 @@ def let_compiled_backward_run_twice() -> None:
     import torch._functorch.config
 
     torch._functorch.config.donated_buffer = False
-
-
-# ---------------------------------------------------------------------------------------------- pipelining
-def stage_to_rank(pp: int, num_stages: int, placement: str) -> dict[int, int]:
-    """torch's own stage → pipeline-rank assignment for a schedule's placement (``"loop"`` or ``"v"``): the one
-    its schedules use, kept in a private helper module."""
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-
-    return generate_stage_to_rank_mapping(pp, num_stages, style=placement)
-
-
-def keep_forward_actions(schedule: Any) -> None:
-    """Re-lower a V-shaped schedule with its forward actions only.
-
-    torch 2.13's V schedules still run their backward actions under ``eval()`` (and fail); the forward actions of
-    the training order, lowered again with torch's own passes (FSDP unshard/reshard, send/receive), are a valid
-    forward-only schedule for the same stage placement. The public lowering entry point refuses an order without
-    backward actions, hence the two private passes.
-    """
-    from torch.distributed.pipelining.schedules import _add_send_recv, _add_unshard_reshard, _ComputationType
-
-    forwards: dict[int, list[Any]] = {}
-    for rank, actions in schedule.pipeline_order.items():
-        kept: list[Any] = []
-        for action in actions:
-            if action is None:
-                continue
-            parts = action.sub_actions if action.computation_type == _ComputationType.OVERLAP_F_B else (action,)
-            kept += [a for a in parts or () if a.computation_type == _ComputationType.FORWARD]
-        forwards[rank] = _add_unshard_reshard(kept)
-    schedule.pipeline_order_with_comms = _add_send_recv(
-        forwards, stage_to_rank=lambda stage: schedule.stage_index_to_group_rank[stage], num_stages=schedule._num_stages
-    )
-
-
-def resize_stage_buffers(stage: Any, chunk: int, inputs: list[tuple[int, ...]], outputs: list[tuple[int, ...]]) -> None:
-    """Give microbatch ``chunk`` of a built ``PipelineStage`` receive buffers of new shapes: for the activations it
-    receives (``inputs``; none on the first stage) and the gradients of what it sends (``outputs``; none on the
-    last). torch 2.13's stages fix one shape for every microbatch when their schedule first runs and have no public
-    way to change it; the buffers are per-microbatch attributes that torch itself swaps (``set_local_fwd_input``).
-    Dtypes stay what torch inferred. The stage's own metadata follows microbatch 0 (what it sends zeros by)."""
-    from dataclasses import replace
-
-    from torch.distributed.pipelining._utils import _DTensorMeta
-
-    def reshaped(meta: Any, shape: tuple[int, ...]) -> Any:
-        if isinstance(meta, _DTensorMeta):
-            raise NotImplementedError("batches of varying shapes with DTensor activations between pipeline stages")
-        return replace(meta, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-
-    for infos, shapes in ((stage.args_recv_info.get(chunk, ()), inputs), (stage.grad_recv_info.get(chunk, ()), outputs)):
-        received = [info for info in infos if not info.is_root_arg]
-        if not received:  # nothing received: the first stage's inputs, or gradients in a forward-only schedule
-            continue
-        for info, shape in zip(received, shapes, strict=True):
-            if info.tensor_meta is None:  # an output without a gradient: nothing is received for it
-                continue
-            info.tensor_meta = reshaped(info.tensor_meta, shape)
-            info.buffer = torch.empty(shape, dtype=info.tensor_meta.dtype, device=info.buffer.device)
-    if chunk == 0:
-        meta = stage._stage_meta
-        for name, shapes in (("inputs", inputs), ("input_grads", inputs), ("outputs", outputs), ("output_grads", outputs)):
-            old = getattr(meta, name)
-            if old and shapes:
-                setattr(meta, name, tuple(m if m is None else reshaped(m, s) for m, s in zip(old, shapes, strict=True)))
-
-
-def stage_buffers_ready(stage: Any) -> bool:
-    """Whether a ``PipelineStage``'s schedule has run it (its receive buffers exist): torch keeps them private."""
-    return bool(stage.args_recv_info)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
