@@ -14,8 +14,9 @@ is 1 (``K_OVERHEAD``: the value of 0, 64, ..., 1024 with the smallest error over
 Held out: torchtitan's A100 runs (benchmarks/planner_torchtitan.py, the seven HybridStrategy runs as published), its
 other three bf16 H100 rows (torch.compile; 128 GPUs), llm-foundry's MPT 3B, 13B and 70B on H100s and its MPT 3B, 7B
 and 30B on A100s, and NeMo AutoModel's Llama 3.1 70B on 64 DGX H100s (NVIDIA-NeMo/Automodel
-``docs/performance-summary.md`` at e458120, FSDP2 32 × cp 2, full checkpointing, torch.compile, bf16). torchtitan's
-70B and 405B H100 rows all train in float8, which the planner does not model: left out.
+``docs/performance-summary.md`` at e458120, FSDP2 32 × cp 2, full checkpointing, torch.compile, bf16), and
+torchtitan's float8 rows (:data:`FLOAT8_RUNS`: Llama 3.1 8B, 70B and 405B, priced with ``ModelShape.float8_linears``,
+which only this check uses: HybridStrategy trains in bf16).
 
 Usage::
 

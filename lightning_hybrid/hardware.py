@@ -22,7 +22,8 @@ GIB = 2**30
 class GpuSpec(NamedTuple):
     """One GPU's public numbers: memory, dense peak TFLOP/s (16-bit tensor cores; fp32 without TF32, which torch
     leaves off for fp32 matmuls by default), NVLink/PCIe GB/s per direction, the inter-node GB/s per GPU of
-    a typical system (assumed: one NIC per GPU, as in NVIDIA's DGX), memory bandwidth (GB/s) and the host link
+    a typical system (assumed: one NIC per GPU, as in NVIDIA's DGX; a ring collective over whole nodes uses all of
+    a node's, :meth:`Cluster.collective_bandwidth`), memory bandwidth (GB/s) and the host link
     (PCIe GB/s per direction)."""
 
     memory_gib: float
