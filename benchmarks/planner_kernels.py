@@ -14,8 +14,9 @@ is 1 (``K_OVERHEAD``: the value of 0, 64, ..., 1024 with the smallest error over
 Held out: torchtitan's A100 runs (benchmarks/planner_torchtitan.py, the seven HybridStrategy runs as published), its
 other three bf16 H100 rows (torch.compile; 128 GPUs), llm-foundry's MPT 3B, 13B and 70B on H100s and its MPT 3B, 7B
 and 30B on A100s, and NeMo AutoModel's Llama 3.1 70B on 64 DGX H100s (NVIDIA-NeMo/Automodel
-``docs/performance-summary.md`` at e458120, FSDP2 32 × cp 2, full checkpointing, torch.compile, bf16). torchtitan's
-70B and 405B H100 rows all train in float8, which the planner does not model: left out.
+``docs/performance-summary.md`` at e458120, FSDP2 32 × cp 2, full checkpointing, torch.compile, bf16), and
+torchtitan's float8 rows (:data:`FLOAT8_RUNS`: Llama 3.1 8B, 70B and 405B, priced with ``ModelShape.float8_linears``,
+which only this check uses: HybridStrategy trains in bf16).
 
 Usage::
 
@@ -39,8 +40,8 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.harness import markdown_table  # noqa: E402
 from benchmarks.planner_megatron import (TABLE_1, Row, a100_cluster, megatron_gpt, published_layout,  # noqa: E402
                                          tflops_per_gpu)
-from benchmarks.planner_torchtitan import (A100_RUNS, H100_RUNS, LLAMA3_70B, Run, a100, grand_teton,  # noqa: E402
-                                           tokens_per_gpu)
+from benchmarks.planner_torchtitan import (A100_RUNS, H100_RUNS, LLAMA3_8B, LLAMA3_70B, Run, a100,  # noqa: E402
+                                           grand_teton, tokens_per_gpu)
 from benchmarks.planner_torchtitan import predict as predict_torchtitan  # noqa: E402
 from lightning_hybrid.hardware import Cluster  # noqa: E402
 from lightning_hybrid.planner.cost import estimate  # noqa: E402
@@ -53,6 +54,32 @@ from lightning_hybrid.planner.model import ModelShape  # noqa: E402
 #: batch 1, 4 accumulation steps (global batch 128), sequence 8192, activation checkpointing, torch.compile, sdpa.
 NEMO_70B_TOKENS_PER_GPU = 866.77
 NEMO_70B_LAYOUT = Layout(dp=32, cp=2, microbatches=4, activation_checkpointing="every", compile=True)
+
+
+#: torchtitan's float8 rows (benchmarks/llama3_h100_202412_torchtitan.md @31a17bf, Tables 1, 3, 4, 5), all with
+#: torch.compile and torchao's Float8 linear layers, sequence 8192, on Grand Teton: the table, the run, its layout
+#: (local batch = global ÷ (FSDP degree); torchtitan's pipeline microbatch is 1 sequence, so its 32 local sequences are
+#: 32 microbatches; "Interleaved 1F1B" with 2 stages per rank, torchtitan's default: assumed), global batch and
+#: published tokens/s per GPU. Held out: nothing was fitted on float8. The 70B "2D + AsyncTP" (876) and every 405B
+#: row overlap tensor-parallel traffic with compute (AsyncTP), which the planner leaves exposed.
+LLAMA3_405B = ModelShape(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, gated_mlp=True,
+                         vocab=128256, seq_len=8192, fp32_norm=True, rotary=True, float8_linears=True)
+FLOAT8_RUNS = (
+    ("Table 1", "Llama 3.1 8B, 8 H100, FSDP 8, local batch 2, selective op", replace(LLAMA3_8B, float8_linears=True),
+     Layout(dp=8, activation_checkpointing="selective", compile=True), 16, 8532),
+    ("Table 3", "Llama 3.1 8B, 128 H100, FSDP 128, local batch 2, selective op",
+     replace(LLAMA3_8B, float8_linears=True), Layout(dp=128, activation_checkpointing="selective", compile=True),
+     256, 8380),
+    ("Table 4", "Llama 3.1 70B, 256 H100, FSDP 32 × TP 8, local batch 16, full AC",
+     replace(LLAMA3_70B, float8_linears=True), Layout(dp=32, tp=8, activation_checkpointing="every", compile=True),
+     512, 829),
+    ("Table 5", "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 1F1B m32, local batch 32, full AC, AsyncTP",
+     LLAMA3_405B, Layout(dp=8, tp=8, pp=8, zero=2, microbatches=32, activation_checkpointing="every", compile=True),
+     256, 100),
+    ("Table 5", "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 interleaved 1F1B m32 v2, local batch 32, full AC,"
+     " AsyncTP", LLAMA3_405B, Layout(dp=8, tp=8, pp=8, zero=2, pp_schedule="interleaved_1f1b", microbatches=32,
+                                      virtual_stages=2, activation_checkpointing="every", compile=True), 256, 128),
+)
 
 
 #: torchtitan's H100s run at a 500 W power limit, their peak "between SXM and NVL" (the page): NVL's datasheet
@@ -122,6 +149,12 @@ def _nemo(efficiency: float) -> float:
     return estimate(LLAMA3_70B, cluster, NEMO_70B_LAYOUT, 128).tokens_per_second / 64
 
 
+def _float8(efficiency: float, model: ModelShape, layout: Layout, global_batch: int) -> float:
+    cluster = Cluster.preset("h100-sxm", nodes=layout.gpus // 8, memory_bytes=96e9, memory_bandwidth=2.4e12,
+                             peak_flops=TORCHTITAN_H100_PEAK_TFLOPS * 1e12, efficiency=efficiency)
+    return estimate(model, cluster, layout, global_batch).tokens_per_second / layout.gpus
+
+
 def _mpt(efficiency: float, row: tuple) -> float:
     _, dims, gpus, micro, steps, checkpointing, _, _, gpu = row
     cluster = Cluster.preset(gpu, nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus), efficiency=efficiency)
@@ -145,6 +178,10 @@ def published_runs() -> list[Published]:
     runs += [Published("llm-foundry benchmarking/README.md @c90b9b3", f"{row[0]}, {row[2]} {row[8].upper()},"
                        f" microbatch {row[3]}, acc {row[4]}, {'full AC' if row[5] else 'no AC'}", row[6],
                        row[8][:4], (row[0], row[8]) in MPT_FITTED, lambda e, row=row: _mpt(e, row)) for row in MPT_RUNS]
+    runs += [Published(f"torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bf, {table}",
+                       f"{config}, compile, Float8", published, "h100", False,
+                       lambda e, model=model, layout=layout, batch=batch: _float8(e, model, layout, batch))
+             for table, config, model, layout, batch, published in FLOAT8_RUNS]
     runs.append(Published("NeMo AutoModel docs/performance-summary.md @e458120", "Llama 3.1 70B, 64 DGX H100,"
                           " FSDP2 32 × cp 2, local batch 1, acc 4, full AC, compile", NEMO_70B_TOKENS_PER_GPU, "h100",
                           False, _nemo))

@@ -6,8 +6,9 @@ Sources, pytorch/torchtitan ``docs/performance.md``:
 * at commit 0413364 (2024): Llama 3 8B / 70B and Llama 2 13B / 70B, FSDP2 alone on 64 A100-80GB, local batch 1 or
   2, sequence 8192 (Llama 3) or 4096 (Llama 2), activation checkpointing none, "selective layer" (every 2nd block:
   torchtitan's ``selective_ac_option = "2"``, HybridStrategy's ``activation_checkpointing=2``), "selective op" or
-  full. The page does not state the network; the planner takes the ``a100-80gb`` preset's DGX A100 (25 GB/s per
-  GPU) and also prints each row at 50 GB/s.
+  full. The page does not state the network; the planner takes the ``a100-80gb`` preset's DGX A100 (a 200 Gb/s
+  NIC per GPU, 25 GB/s) and also prints each row at 400 Gb/s per node (6.25 GB/s per GPU: AWS's p4de, the cluster a
+  user's comment in pytorch/torchtitan issue 394 attributes the runs to, unconfirmed there).
 * at commit eaea6f6 (2025): Llama 3.1 8B, FSDP2 on 8 and 128 H100 (96 GB HBM2e at 2.4 TB/s, a 500 W power limit,
   400 Gb/s per GPU), local batch 2, sequence 8192, selective op checkpointing, eager and ``torch.compile``. The page
   says the peak FLOP/s of these power-limited GPUs is unknown (between H100 SXM's and NVL's); the planner is run at
@@ -40,14 +41,16 @@ from lightning_hybrid.hardware import Cluster  # noqa: E402
 from lightning_hybrid.planner.layout import Estimate, Layout  # noqa: E402
 from lightning_hybrid.planner.model import ModelShape  # noqa: E402
 
+#: torchtitan's Llama: RMSNorm as the reference implementation writes it (fp32, eager kernels unless compiled),
+#: rotary embeddings.
 LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, gated_mlp=True, vocab=128256,
-                       seq_len=8192)
+                       seq_len=8192, fp32_norm=True, rotary=True)
 LLAMA3_70B = ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, gated_mlp=True,
-                        vocab=128256, seq_len=8192)
+                        vocab=128256, seq_len=8192, fp32_norm=True, rotary=True)
 LLAMA2_13B = ModelShape(layers=40, hidden=5120, heads=40, ffn_hidden=13824, gated_mlp=True, vocab=32000,
-                        seq_len=4096)
+                        seq_len=4096, fp32_norm=True, rotary=True)
 LLAMA2_70B = ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, gated_mlp=True, vocab=32000,
-                        seq_len=4096)
+                        seq_len=4096, fp32_norm=True, rotary=True)
 
 
 class Run(NamedTuple):
@@ -108,13 +111,13 @@ def _cell(run: Run, result: Estimate) -> str:
 
 def table() -> str:
     a100_rows = [[run.name, f"{run.gpus} A100", run.local_batch, run.published_as, f"{run.published:,}",
-                  _cell(run, predict(run, a100(run))), _cell(run, predict(run, a100(run, 50)))] for run in A100_RUNS]
+                  _cell(run, predict(run, a100(run))), _cell(run, predict(run, a100(run, 6.25)))] for run in A100_RUNS]
     h100_rows = [[run.name, f"{run.gpus} H100", run.published_as, f"{run.published:,}",
                   _cell(run, predict(run, grand_teton(run, 989))), _cell(run, predict(run, grand_teton(run, 835)))]
                  for run in H100_RUNS]
     return "\n".join([
         markdown_table(["model", "GPUs", "local batch", "checkpointing (torchtitan's name)", "published tokens/s/GPU",
-                        "predicted (/ published), 25 GB/s", "at 50 GB/s per GPU"], a100_rows),
+                        "predicted (/ published), 25 GB/s per GPU", "at 6.25 GB/s per GPU"], a100_rows),
         "",
         markdown_table(["model", "GPUs", "checkpointing", "published tokens/s/GPU",
                         "predicted (/ published), 989 TFLOP/s", "at 835 TFLOP/s"], h100_rows),

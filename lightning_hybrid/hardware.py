@@ -22,7 +22,8 @@ GIB = 2**30
 class GpuSpec(NamedTuple):
     """One GPU's public numbers: memory, dense peak TFLOP/s (16-bit tensor cores; fp32 without TF32, which torch
     leaves off for fp32 matmuls by default), NVLink/PCIe GB/s per direction, the inter-node GB/s per GPU of
-    a typical system (assumed: one NIC per GPU, as in NVIDIA's DGX), memory bandwidth (GB/s) and the host link
+    a typical system (assumed: one NIC per GPU, as in NVIDIA's DGX; a ring collective over whole nodes uses all of
+    a node's, :meth:`Cluster.collective_bandwidth`), memory bandwidth (GB/s) and the host link
     (PCIe GB/s per direction)."""
 
     memory_gib: float
@@ -44,7 +45,7 @@ class GpuSpec(NamedTuple):
 #: (eager). The other published runs are held out (benchmarks/planner_kernels.py; BENCHMARKS.md, "Planner on modern
 #: kernels (issue 32)").
 A100_MATMUL_EFFICIENCY = 0.77
-H100_MATMUL_EFFICIENCY = 0.50
+H100_MATMUL_EFFICIENCY = 0.51
 
 GPU_PRESETS: dict[str, GpuSpec] = {
     # A100 SXM datasheet: 312 TFLOPS BF16 dense, 19.5 FP32, NVLink 3 600 GB/s (300 per direction), HBM2 1,555
@@ -151,5 +152,21 @@ class Cluster:
     def link_bandwidth(self, size: int, stride: int) -> float:
         """Bandwidth of the mesh groups of ``size`` ranks ``stride`` apart. They tile aligned blocks of
         size·stride consecutive ranks, so all of them lie within nodes iff such a block divides a node."""
-        intra = self.nodes == 1 or size == 1 or self.gpus_per_node % (size * stride) == 0
-        return self.intra_node_bandwidth if intra else self.inter_node_bandwidth
+        return self.intra_node_bandwidth if self._within_nodes(size, stride) else self.inter_node_bandwidth
+
+    def _within_nodes(self, size: int, stride: int) -> bool:
+        return self.nodes == 1 or size == 1 or self.gpus_per_node % (size * stride) == 0
+
+    def collective_bandwidth(self, size: int, stride: int) -> float:
+        """Bandwidth of a ring all-gather, reduce-scatter or all-reduce over the mesh groups of ``size`` ranks
+        ``stride`` apart, as NCCL runs it: one ring per channel through all ranks, the channels spread over the
+        node's NICs. A ring enters and leaves each node once per channel, so the bytes that cross a node boundary
+        are one rank's share ((n−1)/n × the buffer), not each local rank's; the ``stride`` groups side by side in a
+        node share its ``gpus_per_node`` NICs, so each group's boundary traffic runs over ``gpus_per_node / stride``
+        of them (at least one) and inside the node over NVLink, whichever is slower (the ring is pipelined). NCCL's
+        maintainers measure 192 GB/s all-reduce bus bandwidth across DGX A100s with 8 × 200 Gb/s NICs, 8 × 25 GB/s
+        less 4 % (NVIDIA/nccl issue 812); point-to-point messages and all-to-alls use :meth:`link_bandwidth`."""
+        if self._within_nodes(size, stride):
+            return self.intra_node_bandwidth
+        local = max(1, min(size, self.gpus_per_node // stride))  # the group's ranks in one node: its NICs
+        return min(self.intra_node_bandwidth, local * self.inter_node_bandwidth)

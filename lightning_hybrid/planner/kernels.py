@@ -43,27 +43,32 @@ K_OVERHEAD = 384
 OPERAND_BYTES = 2
 #: Backward FLOPs of flash attention per forward FLOP (the scores recomputed: 5 matmuls against 2).
 FLASH_BACKWARD = 2.5
+#: Float8 tensor cores' dense peak per bf16 peak (A100 has none; H100 SXM: 1979 against 989 TFLOP/s).
+FLOAT8_SPEEDUP = 2
 
 Gemm = tuple[float, float, float, float, float]  # m, n, k, how many, share of blocks that run them
 
 
-def gemm_seconds(cluster: Cluster, m: float, n: float, k: float, count: float = 1) -> float:
-    """Seconds of ``count`` GEMMs of m × n × k on one GPU of ``cluster`` (see the module docstring)."""
+def gemm_seconds(cluster: Cluster, m: float, n: float, k: float, count: float = 1, float8: bool = False) -> float:
+    """Seconds of ``count`` GEMMs of m × n × k on one GPU of ``cluster`` (see the module docstring); ``float8``: fp8
+    operands (1 byte) at :data:`FLOAT8_SPEEDUP` × the rate, the same tiles and fixed cost, a bf16 output."""
     sms = cluster.streaming_multiprocessors or 1
     tiles = math.ceil(m / TILE) * math.ceil(n / TILE) * math.ceil(count)
-    per_sm = cluster.peak_flops * cluster.efficiency / sms
+    per_sm = cluster.peak_flops * cluster.efficiency * (FLOAT8_SPEEDUP if float8 else 1) / sms
     compute = math.ceil(tiles / sms) * 2 * TILE * TILE * (k + K_OVERHEAD) / per_sm
-    memory = count * OPERAND_BYTES * (m * k + k * n + m * n) / (cluster.memory_bandwidth or math.inf)
+    operands = (m * k + k * n) * (1 if float8 else OPERAND_BYTES) + m * n * OPERAND_BYTES
+    memory = count * operands / (cluster.memory_bandwidth or math.inf)
     return max(compute, memory)
 
 
-def shape_factor(cluster: Cluster, gemms: list[Gemm]) -> float:
+def shape_factor(cluster: Cluster, gemms: list[Gemm], float8: bool = False) -> float:
     """How much slower the forward GEMMs ``gemms`` and their two backward GEMMs each run than their FLOPs at
-    ``efficiency`` × peak: 1 for large aligned shapes, more for small or ragged ones."""
+    ``efficiency`` × the bf16 peak: 1 for large aligned shapes, more for small or ragged ones (about half as much
+    in ``float8``, which torchao runs for all three)."""
     seconds = ideal = 0.0
     for m, n, k, count, share in gemms:
         for shape in ((m, n, k), (m, k, n), (n, k, m)):  # forward, input gradient, weight gradient
-            seconds += share * gemm_seconds(cluster, *shape, count)
+            seconds += share * gemm_seconds(cluster, *shape, count, float8)
             ideal += share * 2 * m * n * k * count / (cluster.peak_flops * cluster.efficiency)
     return seconds / ideal if ideal else 1.0
 

@@ -41,6 +41,14 @@ class ModelShape:
     # the blocks' element-wise chains run as fused kernels (Megatron's bias-GeLU, bias-dropout-add and
     # scale-mask-softmax); False: one kernel per operation, as eager PyTorch runs them (compile=True fuses them)
     fused_elementwise: bool = False
+    # Llama's reference RMSNorm in eager PyTorch: upcast to fp32, square, mean, scale, downcast, weight (torchtitan's
+    # and Hugging Face's); False: one kernel (torch's layer_norm, or any norm under compile)
+    fp32_norm: bool = False
+    rotary: bool = False  # rotary position embeddings on q and k in every block (learned positions cost nothing)
+    # the blocks' linear layers train in float8 as torchao's Float8Linear does (tensorwise scales): their GEMMs at
+    # the fp8 tensor-core rate, plus the casts (planner/kernels.py, traffic.py). Only to check the planner against
+    # published float8 runs: HybridStrategy trains in bf16 and has no float8 option.
+    float8_linears: bool = False
     parameters_per_block: Optional[int] = None
     whole_parameters_per_block: Optional[int] = None  # left whole by tensor parallelism
     first_stage_parameters: Optional[int] = None  # embeddings

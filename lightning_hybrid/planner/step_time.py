@@ -43,7 +43,7 @@ from typing import NamedTuple
 from lightning_hybrid.planner.kernels import attention_seconds, block_gemms, shape_factor
 from lightning_hybrid.planner.step import PipelineRank, StepShape
 from lightning_hybrid.planner.traffic import (BACKWARD_PER_FORWARD, accumulation_bytes, block_elementwise_bytes,
-                                           loss_bytes_per_token, optimizer_bytes)
+                                           float8_cast_bytes, loss_bytes_per_token, optimizer_bytes)
 
 
 class RankTimes(NamedTuple):
@@ -82,6 +82,10 @@ def _compute(step: StepShape, rank: PipelineRank) -> tuple[float, float]:
     moved = step.tokens * per_token
     if step.schedule is not None:
         moved += step.all_microbatches * accumulation_bytes(rank.local_parameters(step), step.bytes)
+    if model.float8_linears:  # each microbatch's casts to float8, a recomputed forward's again
+        rows = step.micro_batch * model.seq_len / cp
+        forward, backward = float8_cast_bytes(block_gemms(model, rows, t, step.layout.ep), step.fused)
+        moved += step.all_microbatches * (forward * (rank.blocks + rank.recomputed_blocks) + backward * rank.blocks)
     memory_bound = moved / cluster.memory_bandwidth
     return matmuls + memory_bound, memory_bound
 
@@ -95,7 +99,7 @@ def _matmuls(step: StepShape, rank: PipelineRank, block_flops: float, head_flops
     if cluster.streaming_multiprocessors is None:
         return step.tokens * (block_flops + attention + head_flops) / rate
     rows = step.micro_batch * model.seq_len  # one microbatch's tokens (its blocks' rows: ÷ cp)
-    blocks = shape_factor(cluster, block_gemms(model, rows / layout.cp, layout.tp, layout.ep))
+    blocks = shape_factor(cluster, block_gemms(model, rows / layout.cp, layout.tp, layout.ep), model.float8_linears)
     head = shape_factor(cluster, [(rows, model.vocab / step.vocab_shards, model.hidden, 1, 1)])
     forward, backward = attention_seconds(cluster, model, step.micro_batch, layout.tp, layout.cp)
     cores = step.all_microbatches * (forward * (rank.blocks + rank.recomputed_blocks) + backward * rank.blocks)
@@ -106,7 +110,7 @@ def _tensor_parallel(step: StepShape, rank: PipelineRank, activation_bytes: floa
     model, cluster, t = step.model, step.cluster, step.layout.tp
     if t == 1:
         return 0.0
-    link, alpha, microbatches = cluster.link_bandwidth(t, 1), cluster.latency, step.all_microbatches
+    link, alpha, microbatches = cluster.collective_bandwidth(t, 1), cluster.latency, step.all_microbatches
     all_reduces = 4 * rank.blocks + 2 * rank.recomputed_blocks  # 2 forward (+2 recomputed), 2 backward
     seconds = all_reduces * (ring(activation_bytes / step.layout.cp, t, link, True) + microbatches * alpha)
     if step.vocab_shards > 1:  # the embedding's output and the head's input gradient all-reduced
@@ -154,7 +158,7 @@ def _context(step: StepShape, rank: PipelineRank) -> float:
     link, alpha = cluster.link_bandwidth(cp, layout.tp), cluster.latency
     per_token = (2 * model.hidden + 2 * model.kv_heads * (model.hidden // model.heads)) / layout.tp
     exchanged = step.tokens / cp * per_token * step.bytes.compute * (cp - 1) / cp / link
-    gathered = ring(step.tokens * model.hidden * step.bytes.compute, cp, link)
+    gathered = ring(step.tokens * model.hidden * step.bytes.compute, cp, cluster.collective_bandwidth(cp, layout.tp))
     passes = 2 * rank.blocks + rank.recomputed_blocks
     return (passes * exchanged + 2 * rank.blocks * gathered
             + (4 * passes + 2 * rank.blocks) * step.all_microbatches * alpha)
@@ -163,7 +167,7 @@ def _context(step: StepShape, rank: PipelineRank) -> float:
 def _gathers_and_reductions(step: StepShape, local: float, ranks: int, stride: int, units: int) -> tuple[float, float]:
     """Seconds of FSDP2's all-gathers and reduce-scatters of ``local`` parameters over ``ranks`` ``stride`` apart."""
     layout, sizes, cluster = step.layout, step.bytes, step.cluster
-    link, alpha = cluster.link_bandwidth(ranks, stride), cluster.latency
+    link, alpha = cluster.collective_bandwidth(ranks, stride), cluster.latency
     syncs = step.microbatches if layout.pp == 1 else step.pipeline_steps  # FSDP2 per accumulation step; pipeline per step
     gather_passes = 2 * step.all_microbatches if layout.zero == 3 else syncs
     gathers = gather_passes * (ring(local * sizes.compute, ranks, link) + (units * alpha if ranks > 1 else 0.0))
@@ -184,12 +188,13 @@ def _data_parallel(step: StepShape, rank: PipelineRank, compute: float) -> tuple
     if experts:
         more = _gathers_and_reductions(step, experts, step.expert_data_ranks, t * layout.ep, rank.blocks)
         gathers, reductions = gathers + more[0], reductions + more[1]
-    reductions += syncs * (ring(step.sharded(local, rank) * sizes.reduce, r, cluster.link_bandwidth(r, d * t), True)
+    replicas = cluster.collective_bandwidth(r, d * t)
+    reductions += syncs * (ring(step.sharded(local, rank) * sizes.reduce, r, replicas, True)
                            + (units * alpha if r > 1 else 0.0))
     if step.model.tied_embeddings and p > 1 and (rank.first or rank.last):  # the two copies' gradients summed
         table = min(step.model.vocab * step.model.hidden, step.model.first_stage_parameters) / step.vocab_shards
         table /= d if step.fsdp else 1
-        reductions += syncs * (ring(table * sizes.reduce, 2, cluster.link_bandwidth(p, r * d * t), True) + alpha)
+        reductions += syncs * (ring(table * sizes.reduce, 2, cluster.collective_bandwidth(p, r * d * t), True) + alpha)
     if layout.offload and cluster.host_bandwidth:  # each gather's shard copied in, each reduced shard out
         gathers += gather_passes * local / d * sizes.parameter / cluster.host_bandwidth
         reductions += syncs * local / d * sizes.reduce / cluster.host_bandwidth
@@ -208,9 +213,9 @@ def _unprefetched(step: StepShape, rank: PipelineRank) -> float:
     block's, the root's: the embedding's gradient is the backward's last) after it, and so do HSDP's all-reduces of
     those last shards."""
     d, t, r, sizes, cluster = step.shard_ranks, step.layout.tp, step.layout.dp_replicate, step.bytes, step.cluster
-    link = cluster.link_bandwidth(d, t)
+    link = cluster.collective_bandwidth(d, t)
     edge = rank.local_parameters(step) - (rank.blocks - 1) * step.block_local_parameters  # the root and one block
-    replicas = ring(edge / d * sizes.reduce, r, cluster.link_bandwidth(r, d * t), True)
+    replicas = ring(edge / d * sizes.reduce, r, cluster.collective_bandwidth(r, d * t), True)
     return step.microbatches * (ring(edge * sizes.compute, d, link) + ring(edge * sizes.reduce, d, link) + replicas)
 
 

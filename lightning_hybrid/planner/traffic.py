@@ -9,7 +9,12 @@ throughput per GPU grows with the model while one efficiency per GPU cannot (BEN
 
 Per token and block on one tp rank, forward, E bytes per element (1-byte dropout masks), reads + writes:
 
-* two norms: h in, h out each (torch's one-kernel layer_norm / rms_norm), whole over tp: 4h·E;
+* two norms: h in, h out each (torch's one-kernel layer_norm / rms_norm), whole over tp: 4h·E; Llama's reference
+  RMSNorm in eager PyTorch (``ModelShape.fp32_norm``) instead runs its upcast (E in, 4 out), square (4, 4), mean (4
+  in), scale (4, 4), downcast (4, E) and weight (E, E) as kernels of their own: 28 + 4E bytes an element, 18E at
+  bf16, each norm;
+* rotary embeddings (``ModelShape.rotary``) on the q and k heads of the rank: fused, E in and out; eager (Llama's
+  complex form, or the rotate-half one) upcast, rotate and downcast: 16 + 2E bytes an element;
 * two residual adds: 2 in, 1 out: 6h·E; with dropout before each, eager 2·(2h·E + h) more, fused into the add
   (Megatron's bias-dropout-add) the add's traffic and the mask only;
 * the MLP's activation on ffn/t: GeLU 2 passes; SwiGLU eager 5 (silu in and out, the product's 2 in and 1 out),
@@ -43,7 +48,10 @@ BACKWARD_PER_FORWARD = 1.5
 def block_elementwise_bytes(model: ModelShape, tp: int, element_bytes: int, fused: bool) -> float:
     """Bytes the element-wise kernels of one block's forward move per token on one tp rank."""
     h, e = model.hidden, element_bytes
-    norms = 2 * 2 * h * e
+    norms = 2 * h * (28 + 4 * e if model.fp32_norm and not fused else 2 * e)
+    if model.rotary:  # q and k: the rank's query heads and key heads
+        width = (model.heads + model.kv_heads) * (h // model.heads) / tp
+        norms += width * (2 * e if fused else 16 + 2 * e)
     residual = 2 * 3 * h * e
     if model.dropout:  # a mask byte per element either way; eager also reads and writes the dropped tensor
         residual += 2 * (h + (0 if fused else 2 * h * e))
@@ -54,6 +62,22 @@ def block_elementwise_bytes(model: ModelShape, tp: int, element_bytes: int, fuse
         passes = 2 + (2 if fused else 6) + (2 if model.dropout else 0)
         scores = model.heads * model.seq_len / tp * (passes * e + (1 if model.dropout else 0))
     return norms + residual + activation + scores
+
+
+def float8_cast_bytes(gemms: list[tuple[float, float, float, float, float]], fused: bool) -> tuple[float, float]:
+    """(forward, backward) bytes one block's casts to float8 move for its GEMMs ``gemms`` (m, n, k, count, share;
+    :func:`~.kernels.block_gemms`), as torchao's Float8Linear runs them with tensorwise scales: forward, the input
+    (m × k) and the weight (k × n) each read for its absolute maximum and read again to write it in fp8 (2 + 2 + 1
+    bytes an element); backward, the output gradient (m × n) the same way, and the fp8 copies the other two GEMMs
+    need transposed (x, the output gradient and the weight: 1 byte read, 1 written). ``fused`` (torch.compile):
+    the maximum is reduced inside the kernel that produced the tensor, which writes it anyway; the cast's read and
+    write remain (the scale needs the whole tensor's maximum first), 2 + 1 bytes."""
+    cast = 3 if fused else 5
+    forward = backward = 0.0
+    for m, n, k, count, share in gemms:
+        forward += share * count * cast * (m * k + k * n)
+        backward += share * count * (cast * m * n + 2 * (m * k + m * n + k * n))
+    return forward, backward
 
 
 def loss_bytes_per_token(vocab_local: float, element_bytes: int) -> float:

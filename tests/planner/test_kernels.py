@@ -9,6 +9,7 @@ import pytest
 from lightning_hybrid.hardware import A100_MATMUL_EFFICIENCY, H100_MATMUL_EFFICIENCY, Cluster
 from lightning_hybrid.planner.kernels import K_OVERHEAD, TILE, attention_seconds, gemm_seconds, shape_factor
 from lightning_hybrid.planner.model import ModelShape
+from lightning_hybrid.planner.traffic import block_elementwise_bytes, float8_cast_bytes
 
 #: 4 SMs of 1 TFLOP/s each at efficiency 1, 1 TB/s of memory.
 FOUR_SMS = Cluster(nodes=1, gpus_per_node=1, memory_bytes=1e9, peak_flops=4e12, intra_node_bandwidth=1e9,
@@ -48,10 +49,42 @@ def test_flash_attention_computes_the_causal_half_and_backward_recomputes_the_sc
     assert forward == pytest.approx(scores + values) and backward == pytest.approx(scores + 3 * values)
 
 
+def test_a_float8_gemm_runs_at_twice_the_rate_with_one_byte_operands() -> None:
+    assert gemm_seconds(FOUR_SMS, 512, 128, 1024, float8=True) == pytest.approx(ONE_TILE / 2)
+    slow_memory = Cluster(**{**FOUR_SMS.__dict__, "memory_bandwidth": 1e9})
+    # A and B in fp8 (1 B), C written in bf16 (2 B)
+    assert gemm_seconds(slow_memory, 512, 128, 1024, float8=True) == pytest.approx(
+        (512 * 1024 + 1024 * 128 + 2 * 512 * 128) / 1e9)
+    assert shape_factor(FOUR_SMS, [(4096, 4096, 4096, 1, 1)], float8=True) == pytest.approx((4096 + K_OVERHEAD) / 8192)
+
+
+def test_float8_casts_move_the_inputs_weights_and_gradients_of_every_gemm() -> None:
+    # one 1000 × 300 × 200 GEMM: forward x (1000 × 200) and w (200 × 300) read for their maximum, read and written
+    # in fp8 (5 B an element; compiled, the maximum comes with the producer: 3 B); backward the output gradient
+    # (1000 × 300) the same way, and transposed fp8 copies of x, the output gradient and w (2 B an element)
+    x, w, dy = 1000 * 200, 200 * 300, 1000 * 300
+    assert float8_cast_bytes([(1000, 300, 200, 1, 1)], fused=False) == pytest.approx((5 * (x + w),
+                                                                                       5 * dy + 2 * (x + dy + w)))
+    assert float8_cast_bytes([(1000, 300, 200, 1, 1)], fused=True) == pytest.approx((3 * (x + w),
+                                                                                      3 * dy + 2 * (x + dy + w)))
+
+
+def test_llamas_eager_fp32_rms_norm_and_rotary_embeddings_cost_their_kernels_passes() -> None:
+    plain = ModelShape(layers=1, hidden=1024, heads=8, kv_heads=2, vocab=128, seq_len=2048, gated_mlp=True)
+    llama = ModelShape(**{**plain.__dict__, "fp32_norm": True, "rotary": True})
+    q_and_k = 1024 + 2 * 128  # 8 query heads and 2 key heads of 128
+    # per norm and element: 28 + 4·E eager (E = 2) against 2·E in one kernel; rotary 16 + 2·E eager
+    assert block_elementwise_bytes(llama, 1, 2, fused=False) - block_elementwise_bytes(plain, 1, 2, fused=False) \
+        == pytest.approx(2 * 1024 * (36 - 4) + q_and_k * 20)
+    # compiled: the norm one kernel, rotary one pass in and out
+    assert block_elementwise_bytes(llama, 1, 2, fused=True) - block_elementwise_bytes(plain, 1, 2, fused=True) \
+        == pytest.approx(q_and_k * 4)
+
+
 def test_the_presets_carry_the_kernel_profile_and_a_hand_made_cluster_keeps_one_efficiency() -> None:
     a100, h100 = Cluster.preset("a100-80gb"), Cluster.preset("h100-sxm")
     assert (a100.streaming_multiprocessors, a100.efficiency, a100.attention_efficiency) == (108, 0.77, 0.55)
-    assert (h100.streaming_multiprocessors, h100.efficiency, h100.attention_efficiency) == (132, 0.50, 0.35)
+    assert (h100.streaming_multiprocessors, h100.efficiency, h100.attention_efficiency) == (132, 0.51, 0.35)
     assert Cluster(nodes=1, gpus_per_node=1, memory_bytes=1, peak_flops=1, intra_node_bandwidth=1,
                    inter_node_bandwidth=1).streaming_multiprocessors is None
 
@@ -74,16 +107,25 @@ H100_PUBLISHED = {
     "Llama 3.1 8B, 8 H100 (500 W), local batch 2, selective op, torch.compile": (6667, 0.85, 1.15),
     "Llama 3.1 8B, 128 H100 (500 W), local batch 2, selective op": (5605, 0.85, 1.15),
     "Llama 3.1 8B, 128 H100 (500 W), local batch 2, selective op, torch.compile": (6514, 0.85, 1.15),
+    # Table 1, 3, 4, 5: torch.compile and torchao's Float8 linear layers
+    "Llama 3.1 8B, 8 H100, FSDP 8, local batch 2, selective op, compile, Float8": (8532, 0.85, 1.15),
+    # Held out and missed: the fp8 GEMMs' gain over bf16 comes out larger than measured (1.46× against 1.28×)
+    "Llama 3.1 8B, 128 H100, FSDP 128, local batch 2, selective op, compile, Float8": (8380, 1.15, 1.17),
+    "Llama 3.1 70B, 256 H100, FSDP 32 × TP 8, local batch 16, full AC, compile, Float8": (829, 0.85, 1.15),
+    # Held out and missed: the published interleaved schedule is 1.28× faster than 1F1B, the bubble gives 1.07×
+    "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 1F1B m32, local batch 32, full AC, AsyncTP, compile, Float8":
+        (100, 1.15, 1.18),
+    "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 interleaved 1F1B m32 v2, local batch 32, full AC, AsyncTP,"
+    " compile, Float8": (128, 0.85, 1.15),
     "MPT 1B, 8 H100-SXM, microbatch 14, acc 1, no AC": (45455, 0.85, 1.15),
     "MPT 3B, 16 H100-SXM, microbatch 10, acc 3, no AC": (24142, 0.85, 1.15),
     "MPT 7B, 8 H100-SXM, microbatch 6, acc 1, no AC": (10643, 0.85, 1.15),
     "MPT 13B, 8 H100-SXM, microbatch 2, acc 1, no AC": (4792, 0.85, 1.15),
     "MPT 30B, 8 H100-SXM, microbatch 3, acc 21, full AC": (2002, 0.85, 1.15),
-    # Held out and missed: the large GEMMs of a 70B model run faster than the shape model gives (HFU 57 %).
-    "MPT 70B, 64 H100-SXM, microbatch 8, acc 4, full AC": (1039, 0.80, 0.85),
-    # Held out and missed: FSDP2 over 64 GPUs on 8 nodes moves 8 × 141 GB a step at 50 GB/s per GPU in the
-    # planner's ring, more than the published step; NCCL's rings over the node's 8 NICs are faster (not modelled).
-    "Llama 3.1 70B, 64 DGX H100, FSDP2 32 × cp 2, local batch 1, acc 4, full AC, compile": (866.77, 0.38, 0.46),
+    "MPT 70B, 64 H100-SXM, microbatch 8, acc 4, full AC": (1039, 0.85, 1.15),
+    # Held out and missed: a 700 W DGX H100's GEMMs run faster than the constant fitted on 500 W H100s and 2023
+    # kernels allows (the step is 98 % compute: FSDP2 over the node's 8 NICs hides behind it).
+    "Llama 3.1 70B, 64 DGX H100, FSDP2 32 × cp 2, local batch 1, acc 4, full AC, compile": (866.77, 0.80, 0.85),
 }
 
 

@@ -354,24 +354,38 @@ def test_a_group_is_intra_node_when_its_ranks_fit_in_one_node() -> None:
     assert single_node.link_bandwidth(8, 1) == intra
 
 
+def test_a_ring_collective_across_nodes_runs_over_as_many_nics_as_its_group_has_ranks_in_a_node() -> None:
+    # NCCL's rings cross each node boundary once per channel, its channels spread over the node's NICs: a group
+    # with g ranks in each node moves its boundary bytes over g NICs (10 GB/s each here), NVLink (100) the ceiling
+    cluster = two_nodes_of_four()
+    assert cluster.collective_bandwidth(8, 1) == 4 * 10e9  # dp=8: four ranks, four NICs per node
+    assert cluster.collective_bandwidth(4, 2) == 2 * 10e9  # dp=4 over tp=2: the two groups share a node's NICs
+    assert cluster.collective_bandwidth(2, 4) == 10e9  # one rank a node: its own NIC, as a message would
+    assert cluster.collective_bandwidth(2, 2) == cluster.link_bandwidth(2, 2) == 100e9  # within a node: NVLink
+    wide = Cluster(nodes=2, gpus_per_node=16, memory_bytes=GIB, peak_flops=1e12, intra_node_bandwidth=100e9,
+                   inter_node_bandwidth=10e9)
+    assert wide.collective_bandwidth(32, 1) == 100e9  # 16 NICs would carry 160: NVLink is the slower hop
+    assert cluster.link_bandwidth(8, 1) == 10e9  # point-to-point and all-to-all stay one NIC per GPU
+
+
 def test_tensor_parallelism_across_nodes_ranks_below_within_a_node() -> None:
     model = ModelShape(layers=4, hidden=1024, heads=8, vocab=1000, seq_len=1024)
     across, within = two_nodes_of_four(), Cluster(nodes=1, gpus_per_node=8, memory_bytes=80 * GIB, peak_flops=100e12,
                                                   intra_node_bandwidth=100e9, inter_node_bandwidth=10e9)
-    # 4 blocks × 4 all-reduces × ring 2·7/8 × (64 sequences · 1024 · 1024 · 2 B) over 10 GB/s or 100 GB/s; with
-    # the vocabulary sharded, 2 more all-reduces and an all-gather of the logits (7/8 × 64 · 1024 · 1000 · 2 B).
+    # 4 blocks × 4 all-reduces × ring 2·7/8 × (64 sequences · 1024 · 1024 · 2 B) over NVLink (100 GB/s) or, across
+    # the two nodes, the 4 NICs a node's 4 ranks bring to the rings (4 × 10 GB/s); with the vocabulary sharded, 2 more all-reduces and an all-gather of the logits (7/8 × 64 · 1024 · 1000 · 2 B).
     ring_bytes = 4 * 4 * 2 * 7 / 8 * 64 * 1024 * 1024 * 2
     vocab_bytes = 2 * 2 * 7 / 8 * 64 * 1024 * 1024 * 2 + 7 / 8 * 64 * 1024 * 1000 * 2
     whole_vocab = Layout(tp=8, shard_vocab=False)
-    assert estimate(model, across, whole_vocab, 64).time.tensor_parallel == pytest.approx(ring_bytes / 10e9)
+    assert estimate(model, across, whole_vocab, 64).time.tensor_parallel == pytest.approx(ring_bytes / 40e9)
     assert estimate(model, within, whole_vocab, 64).time.tensor_parallel == pytest.approx(ring_bytes / 100e9)
     sharded = estimate(model, within, Layout(tp=8), 64).time.tensor_parallel
     assert sharded == pytest.approx((ring_bytes + vocab_bytes) / 100e9)
     ranked = [e.layout for e in plan(model, across, 64, zero_levels=(3,), checkpointing=(None,))]
     assert ranked.index(Layout(dp=2, tp=4)) < ranked.index(Layout(tp=8))
-    # Compute-bound: no tensor parallelism; FSDP2 within each node and replicas across them (HSDP), whose
-    # unprefetched first gathers and last reduce-scatters stay on NVLink.
-    assert ranked[0] == Layout(dp=4, dp_replicate=2)
+    # Compute-bound: no tensor parallelism; FSDP2 over both nodes, whose rings cross them over each node's 4 NICs
+    # (40 GB/s), ahead of HSDP (FSDP2 within a node on NVLink, then its shards' all-reduce over the network).
+    assert ranked[:2] == [Layout(dp=8), Layout(dp=4, dp_replicate=2)]
 
 
 # ------------------------------------------------------------------------------------------ infeasible, errors
