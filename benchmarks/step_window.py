@@ -153,11 +153,13 @@ def make_peak_tracker() -> Any:
 
 
 def pipeline_receive_buffers(stages: Iterable[Any]) -> list[Tensor]:
-    """The receive buffers a ``PipelineStage`` allocates once per microbatch and keeps (private attributes)."""
+    """The receive buffers a ``PipelineStage`` holds now (private attributes): torch's stage allocates one per
+    microbatch and keeps it; HybridStrategy's holds meta placeholders except for the messages in flight."""
     buffers: list[Tensor] = []
     for stage in stages:
         for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-            buffers += [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), Tensor)]
+            buffers += [info.buffer for info in infos
+                        if isinstance(getattr(info, "buffer", None), Tensor) and not info.buffer.is_meta]
     return buffers
 
 

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_hybrid._compat import StridedShard
 from lightning_hybrid.probe.blocks import shared_between_blocks
+from lightning_hybrid.tensor_parallel.layers import replicate_fused_biases
 
 
 #: ``HybridOptions.reduce_dtype`` (checked and canonical) → the dtype gradients are reduced in.
@@ -102,6 +103,7 @@ def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, o
     their gradients are averaged over ``data_group`` (all data-parallel ranks) as they are computed. ``experts``:
     modules expert parallelism spread over ranks, units of their own over the expert data mesh.
     """
+    replicate_fused_biases(root)
     scalars = {p for p in root.parameters() if p.dim() == 0}
     common = dict(
         mesh=mesh,

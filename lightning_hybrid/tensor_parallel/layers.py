@@ -3,7 +3,8 @@
 * A **column** layer whose output rows are dealt in ``split_factor`` strided pieces (a fused q|k|v projection):
   DTensor's matmul rules do not keep strided placements, so the product is computed on the local shard. The
   weight is ``StridedShard`` on the tensor mesh (its ``full_tensor()`` is the original row order, so state dicts
-  keep the unmodified module's layout); the bias stays replicated and each rank picks its rows.
+  keep the unmodified module's layout); the bias is dealt the same way (its gradient needs no reduction), except
+  under data-parallel sharding, where it stays whole and each rank picks its rows (:func:`replicate_fused_biases`).
 * A linear layer stored **transposed** — weight ``(in, out)`` applied as ``x @ weight + bias``, as Hugging Face's
   ``Conv1D`` (GPT-2) does: column-parallel shards the weight's columns (``Shard(1)``, strided for a fused
   ``c_attn``), row-parallel its rows (``Shard(0)``) and all-reduces the partial products.
@@ -45,8 +46,8 @@ def shard_column(module: nn.Module, mesh: DeviceMesh, split_factor: int, transpo
     dim = 1 if transposed else 0
     placement = StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
     module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [placement]))
-    if module.bias is not None:
-        bias_placement = Replicate() if split_factor > 1 else Shard(0)
+    if module.bias is not None:  # dealt like the weight's output rows: its gradient needs no reduction
+        bias_placement = StridedShard(0, split_factor=split_factor) if split_factor > 1 else Shard(0)
         module.bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh, [bias_placement]))
     module.__class__ = local_class(type(module), "Column", _column_forward)
     module.tp_split_factor, module.tp_transposed, module.tp_reduce_input = split_factor, transposed, reduce_input
@@ -140,11 +141,23 @@ def _row_forward(self: Any, x: Tensor) -> Tensor:
     return out if self.bias is None else out + self.bias.to_local()
 
 
+def replicate_fused_biases(root: nn.Module) -> None:
+    """Keep each fused column layer's bias whole on every tensor-parallel rank (each picks its rows in forward, the
+    gradient summed over the ranks: one small all-reduce per layer). For data-parallel sharding: torch 2.13's FSDP2
+    cannot shard a 1-D tensor whose only dimension is already strided over tp (the nested strided placements
+    gather the bias in the wrong order), where a 2-D weight is sharded along its other dimension instead."""
+    for module in root.modules():
+        bias = getattr(module, "bias", None)
+        fused = getattr(module, "tp_split_factor", 1) > 1
+        if fused and isinstance(bias, DTensor) and not bias.placements[0].is_replicate():
+            whole = torch.empty(bias.shape, dtype=bias.dtype, device="meta") if bias.is_meta else bias.full_tensor()
+            replicated = DTensor.from_local(whole.detach(), bias.device_mesh, [Replicate()], run_check=False)
+            module.bias = nn.Parameter(replicated, requires_grad=bias.requires_grad)
+
+
 def _local_bias(module: Any, mesh: DeviceMesh) -> Optional[Tensor]:
-    if module.bias is None:
-        return None
-    if module.tp_split_factor == 1:
-        return module.bias.to_local()
+    if module.bias is None or not module.bias.placements[0].is_replicate():
+        return None if module.bias is None else module.bias.to_local()
     rows = module.bias.to_local(grad_placements=[Partial()]).view(module.tp_split_factor, mesh.size(), -1)
     return rows[:, mesh.get_local_rank()].reshape(-1)
 
