@@ -35,11 +35,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Console lines that are not the recipe's own: Python warnings (``file.py:123: ...``), C++ log lines of torch,
 #: kineto or gloo (``USDT:2026-12-02 ...``, ``[W1202 04:25:01 ...``).
 NOISE = re.compile(r"\.py:\d+: |^[A-Z]+:\d{4}-\d\d-\d\d |^\[[WEI]\d{4} |Warning")
-#: Parameters of the recipe's GPT that tp=2 shards (half on each rank); the others are whole on every rank: the
-#: norms, the position embedding, the row-parallel layers' biases and the fused q|k|v projection's bias (replicated,
-#: each rank reading its rows).
-TP_SHARDED = ("c_attn.weight", "attn.c_proj.weight", "c_fc.weight", "c_fc.bias", "mlp.c_proj.weight", "wte.weight",
-              "lm_head.weight")
+#: Parameters of the recipe's GPT that tp=2 shards (half on each rank; the fused q|k|v bias like its weight, as
+#: the recipe has no data-parallel sharding); the others are whole on every rank: the norms, the position embedding
+#: and the row-parallel layers' biases.
+TP_SHARDED = ("c_attn.weight", "c_attn.bias", "attn.c_proj.weight", "c_fc.weight", "c_fc.bias", "mlp.c_proj.weight",
+              "wte.weight", "lm_head.weight")
 
 
 @pytest.mark.slow
