@@ -4,9 +4,9 @@ A ``LlamaForCausalLM`` with Llama-3.2-1B's dimensions (:data:`CONFIG`: 1.24 B pa
 embedding of 1 GiB in fp32) is built on the meta device by each of 4 ranks (``benchmarks/harness.py``, gloo, CPU),
 and ``trainer.validate`` runs setup: split, shard, materialize. Each rank samples its anonymous resident memory
 (``hf_load_memory.PeakRSS``) around step 6 of the driver (materialization: shards allocated and initialized) and
-reports the peak growth next to the bytes of the parameters and buffers it holds (its share, each storage once). Run twice, side by
-side: initializers replayed on the shards (what HybridStrategy does, ``parallel/shard_init.py``) and every
-initializer on full-size temporaries (``--full-size``: how it was before; the values are the same).
+reports the peak growth next to the bytes of the parameters and buffers it holds (its share, each storage once). Run
+twice, side by side: initializers replayed on the shards (what HybridStrategy does, ``parallel/shard_init.py``) and
+every initializer on full-size temporaries (the ``full-size`` run: how it was before; the values are the same).
 
 Run: ``python benchmarks/init_memory.py`` (about 3 minutes on 2 cores, ~8 GB of RAM).
 """
@@ -60,7 +60,8 @@ def main() -> None:
 
     runs = {mode: launch_ranks(Path(__file__), ["--worker", mode], world=WORLD, timeout_s=1800).ranks
             for mode in ("full-size", "replayed")}
-    print(f"LlamaForCausalLM with Llama-3.2-1B's dimensions, fp32, tp2 x pp2 on {WORLD} ranks, torch {torch.__version__}")
+    print(f"LlamaForCausalLM with Llama-3.2-1B's dimensions, fp32, tp2 x pp2 on {WORLD} ranks,"
+          f" torch {torch.__version__}")
     rows = []
     for full, replayed in zip(runs["full-size"], runs["replayed"]):
         share = replayed["share"]

@@ -1,13 +1,13 @@
 """A middle pipeline stage's peak memory against the number of microbatches m, at a fixed microbatch size: torch's
 ``PipelineStage`` next to the stage HybridStrategy builds (:func:`lightning_hybrid._compat.pipelining.pipeline_stage`).
 
-torch's stage keeps one receive buffer per microbatch and direction for the whole run (a middle stage: 2·m
-b·s·h tensors); HybridStrategy's allocates a buffer when its message is received and drops it once the forward or
-backward that reads it has run, so only the microbatches in flight hold one (1F1B: at most p − rank). The model is
-four stages of ``--blocks`` linear layers (width ``--hidden``) on four CPU processes (gloo), 1F1B or
-Interleaved1F1B (two stages per rank, eight in all); each configuration runs in fresh processes and the second rank (a middle one)
-reports its peak resident memory over two steps minus its resident memory before the first (tensors above 64 KiB
-are mapped and unmapped on allocation and release, so the resident peak follows the live tensors).
+torch's stage keeps one receive buffer per microbatch and direction for the whole run (a middle stage: 2·m b·s·h
+tensors); HybridStrategy's allocates a buffer when its message is received and drops it once the forward or backward
+that reads it has run, so only the microbatches in flight hold one (1F1B: at most p − rank). The model is four
+stages of ``--blocks`` linear layers (width ``--hidden``) on four CPU processes (gloo), 1F1B or Interleaved1F1B (two
+stages per rank, eight in all); each configuration runs in fresh processes and the second rank (a middle one)
+reports its peak resident memory over two steps minus its resident memory before the first (tensors above 64 KiB are
+mapped and unmapped on allocation and release, so the resident peak follows the live tensors).
 
 Usage::
 

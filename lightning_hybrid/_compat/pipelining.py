@@ -130,9 +130,10 @@ def _arrival_stage_class() -> type:
             _release(self.grad_recv_info.get(bwd_chunk_id, ()))
             if self.is_last and bwd_chunk_id < len(self.output_chunks):  # kept for the step's merged output
                 self.output_chunks[bwd_chunk_id] = tree_map(_detached, self.output_chunks[bwd_chunk_id])
-            self._spent_losses[bwd_chunk_id] = loss
             if full_backward:
-                _detach(self._spent_losses.pop(bwd_chunk_id))
+                _detach(loss)
+            else:  # the weight gradients still run through the loss's graph
+                self._spent_losses[bwd_chunk_id] = loss
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward)

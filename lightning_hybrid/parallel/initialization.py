@@ -15,9 +15,9 @@ An initializer that only fills tensors with random draws and element-wise operat
 ``zero_``, ``mul_``, … — torch's and Hugging Face's initializers) is replayed on each rank's own shards, drawing a
 sharded tensor in chunks of rows and keeping its part (:mod:`~lightning_hybrid.parallel.shard_init`): no full-size
 tensor exists. Any other initializer runs on full-size temporary tensors; each rank then copies out the slices its
-DTensor shards hold and drops the temporaries. Which tensors an initializer writes is learnt first by running it on meta-device stand-ins
-under a dispatch mode that records every aten operator's written arguments — so an initializer may write
-anything in its module's subtree, and only what it writes is ever allocated in full. So:
+DTensor shards hold and drops the temporaries. Which tensors an initializer writes is learnt first by running it on
+meta-device stand-ins under a dispatch mode that records every aten operator's written arguments — so an
+initializer may write anything in its module's subtree, and only what it writes is ever allocated in full. So:
 
 * the values do not depend on the layout, the rank, the pipeline stage or the order modules are visited in —
   dp, tp and pp runs, and a single device calling :func:`init_weights`, produce the same numbers;
@@ -238,8 +238,7 @@ def _replay_on_shards(step: _Step) -> None:
             target = target_of(whole)
             strided.append((original, whole))
         targets[id(original)] = target
-    devices = [d.index for d in {_local(t).device for t in step.writes} if d.type == "cuda"]
-    with _seeded(step.seed, devices):
+    with _seeded(step.seed, _cuda_devices(step)):
         replay(step.replayed, targets)
     for original, whole in strided:
         _local(original).copy_(_keep_local_part(whole, original))
@@ -254,9 +253,13 @@ def _run_on_full_tensors(step: _Step, full: dict[int, Tensor]) -> None:
         full.setdefault(id(original), whole)
     written = {id(t) for t in step.writes}
     slots = [(slot, original) for slot, original in step.slots if id(original) in written]
-    devices = [d.index for d in {_local(t).device for t in step.writes} if d.type == "cuda"]
-    with _swapped(slots, full), _seeded(step.seed, devices):
+    with _swapped(slots, full), _seeded(step.seed, _cuda_devices(step)):
         step.run()
+
+
+def _cuda_devices(step: _Step) -> list[int]:
+    """The GPUs whose random streams ``step`` draws from (seeded with the CPU's)."""
+    return [d.index for d in {_local(t).device for t in step.writes} if d.type == "cuda"]
 
 
 def _stand_in(original: Tensor, device: Union[str, torch.device]) -> Tensor:

@@ -79,6 +79,8 @@ class ReplayRecorder(TorchDispatchMode):
     def _record(self, func: Any, args: tuple, kwargs: dict) -> None:
         written = written_tensors(func, args, kwargs)
         self.storages.update(StorageWeakRef(t.untyped_storage()) for t in written)
+        if self.writes is None:  # already not replayable: only the storages are still wanted
+            return
         if not written:  # reading or viewing is fine; a random draw into a new tensor is not
             if torch.Tag.nondeterministic_seeded in func.tags:
                 self.writes = None
@@ -86,8 +88,6 @@ class ReplayRecorder(TorchDispatchMode):
         target = self._stand_ins.get(StorageWeakRef(written[0].untyped_storage()))
         rows = _row_range(written[0], target)
         constants = all(not isinstance(a, Tensor) or (a.dim() == 0 and not a.is_meta) for a in args[1:])
-        if self.writes is None:
-            return
         if (len(written) > 1 or written[0] is not args[0] or func not in RANDOM_FILLS | ELEMENTWISE or rows is None
                 or not constants or kwargs.get("generator") is not None):
             self.writes = None

@@ -1,6 +1,7 @@
-"""The pipeline stage HybridStrategy builds (``_compat.pipelining.pipeline_stage``): receive buffers that exist only while their
-message is in flight, and the schedules' sends let go of once complete (``_compat.pipelining.release_sends_on_arrival``).
-Equivalence of every schedule with one device runs in ``test_pipeline.py``, on this stage."""
+"""The pipeline stage HybridStrategy builds (``_compat.pipelining.pipeline_stage``): receive buffers that exist only
+while their message is in flight, and the schedules' sends let go of once complete
+(``_compat.pipelining.release_sends_on_arrival``). Equivalence of every schedule with one device runs in
+``test_pipeline.py``, on this stage."""
 
 from __future__ import annotations
 
