@@ -11,8 +11,8 @@ is 1 (``K_OVERHEAD``: the value of 0, 64, ..., 1024 with the smallest error over
 * H100: llm-foundry's MPT 1B, 7B and 30B on 8 H100s, and torchtitan's Llama 3.1 8B on 8 H100s, eager
   (pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``, Table 1, first row).
 
-Held out: torchtitan's A100 runs (benchmarks/planner_torchtitan.py, the seven HybridStrategy runs as published), its
-other three bf16 H100 rows (torch.compile; 128 GPUs), llm-foundry's MPT 3B, 13B and 70B on H100s and its MPT 3B, 7B
+Held out: torchtitan's eight A100 runs (benchmarks/planner_torchtitan.py; "selective op" priced as torchtitan runs
+it), its other three bf16 H100 rows (torch.compile; 128 GPUs), llm-foundry's MPT 3B, 13B and 70B on H100s and its MPT 3B, 7B
 and 30B on A100s, and NeMo AutoModel's Llama 3.1 70B on 64 DGX H100s (NVIDIA-NeMo/Automodel
 ``docs/performance-summary.md`` at e458120, FSDP2 32 × cp 2, full checkpointing, torch.compile, bf16), and
 torchtitan's float8 rows (:data:`FLOAT8_RUNS`: Llama 3.1 8B, 70B and 405B, priced with ``ModelShape.float8_linears``,
@@ -41,12 +41,12 @@ from benchmarks.harness import markdown_table  # noqa: E402
 from benchmarks.planner_megatron import (TABLE_1, Row, a100_cluster, megatron_gpt, published_layout,  # noqa: E402
                                          tflops_per_gpu)
 from benchmarks.planner_torchtitan import (A100_RUNS, H100_RUNS, LLAMA3_8B, LLAMA3_70B, Run, a100,  # noqa: E402
-                                           grand_teton, tokens_per_gpu)
+                                           grand_teton, tokens_per_gpu, with_op_sac_recompute)
 from benchmarks.planner_torchtitan import predict as predict_torchtitan  # noqa: E402
 from lightning_hybrid.hardware import Cluster  # noqa: E402
 from lightning_hybrid.planner.cost import estimate  # noqa: E402
 from lightning_hybrid.planner import kernels  # noqa: E402
-from lightning_hybrid.planner.layout import Layout  # noqa: E402
+from lightning_hybrid.planner.layout import Estimate, Layout  # noqa: E402
 from lightning_hybrid.planner.model import ModelShape  # noqa: E402
 
 #: NeMo AutoModel, Llama 3.1 70B pretraining on 64 DGX H100 (bf16): tokens/s per GPU as published, and its config
@@ -57,29 +57,44 @@ NEMO_70B_LAYOUT = Layout(dp=32, cp=2, microbatches=4, activation_checkpointing="
 
 
 #: torchtitan's float8 rows (benchmarks/llama3_h100_202412_torchtitan.md @31a17bf, Tables 1, 3, 4, 5), all with
-#: torch.compile and torchao's Float8 linear layers, sequence 8192, on Grand Teton: the table, the run, its layout
-#: (local batch = global ÷ (FSDP degree); torchtitan's pipeline microbatch is 1 sequence, so its 32 local sequences are
-#: 32 microbatches; "Interleaved 1F1B" with 2 stages per rank, torchtitan's default: assumed), global batch and
-#: published tokens/s per GPU. Held out: nothing was fitted on float8. The 70B "2D + AsyncTP" (876) and every 405B
-#: row overlap tensor-parallel traffic with compute (AsyncTP), which the planner leaves exposed.
+#: torch.compile and torchao's Float8 linear layers, sequence 8192, on Grand Teton: the table, the run, its layout,
+#: global batch, published tokens/s per GPU, and whether it ran AsyncTP (:func:`with_async_tp`). Local batch = global
+#: ÷ FSDP degree; the pipeline splits it into torchtitan's default number of microbatches at the commit the page
+#: names (9dec370: ``pipeline_parallel_microbatches`` unset = the pipeline degree, 8, of 4 sequences each), its
+#: default two stages per rank for "Interleaved 1F1B". Held out: nothing was fitted on float8.
 LLAMA3_405B = ModelShape(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, gated_mlp=True,
                          vocab=128256, seq_len=8192, fp32_norm=True, rotary=True, float8_linears=True)
+LLAMA3_70B_2D = Layout(dp=32, tp=8, activation_checkpointing="every", compile=True)
+LLAMA3_405B_3D = Layout(dp=8, tp=8, pp=8, zero=2, microbatches=8, activation_checkpointing="every", compile=True)
 FLOAT8_RUNS = (
     ("Table 1", "Llama 3.1 8B, 8 H100, FSDP 8, local batch 2, selective op", replace(LLAMA3_8B, float8_linears=True),
-     Layout(dp=8, activation_checkpointing="selective", compile=True), 16, 8532),
+     Layout(dp=8, activation_checkpointing="selective", compile=True), 16, 8532, False),
     ("Table 3", "Llama 3.1 8B, 128 H100, FSDP 128, local batch 2, selective op",
      replace(LLAMA3_8B, float8_linears=True), Layout(dp=128, activation_checkpointing="selective", compile=True),
-     256, 8380),
+     256, 8380, False),
     ("Table 4", "Llama 3.1 70B, 256 H100, FSDP 32 × TP 8, local batch 16, full AC",
-     replace(LLAMA3_70B, float8_linears=True), Layout(dp=32, tp=8, activation_checkpointing="every", compile=True),
-     512, 829),
-    ("Table 5", "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 1F1B m32, local batch 32, full AC, AsyncTP",
-     LLAMA3_405B, Layout(dp=8, tp=8, pp=8, zero=2, microbatches=32, activation_checkpointing="every", compile=True),
-     256, 100),
-    ("Table 5", "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 interleaved 1F1B m32 v2, local batch 32, full AC,"
-     " AsyncTP", LLAMA3_405B, Layout(dp=8, tp=8, pp=8, zero=2, pp_schedule="interleaved_1f1b", microbatches=32,
-                                      virtual_stages=2, activation_checkpointing="every", compile=True), 256, 128),
+     replace(LLAMA3_70B, float8_linears=True), LLAMA3_70B_2D, 512, 829, False),
+    ("Table 4", "Llama 3.1 70B, 256 H100, FSDP 32 × TP 8, local batch 16, full AC, AsyncTP",
+     replace(LLAMA3_70B, float8_linears=True), LLAMA3_70B_2D, 512, 876, True),
+    ("Table 5", "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 1F1B m8, local batch 32, full AC, AsyncTP",
+     LLAMA3_405B, LLAMA3_405B_3D, 256, 100, True),
+    ("Table 5", "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 interleaved 1F1B m8 v2, local batch 32, full AC,"
+     " AsyncTP", LLAMA3_405B, replace(LLAMA3_405B_3D, pp_schedule="interleaved_1f1b", virtual_stages=2), 256, 128,
+     True),
 )
+
+
+def with_async_tp(result: Estimate) -> Estimate:
+    """``result`` with tensor-parallel traffic overlapped as AsyncTP runs it (torch's micro-pipelined collective
+    matmuls): each collective split into t transfers, each behind the partial matmul of the chunk before, so all but
+    the first, (t − 1)/t of the TP time, hides behind compute (in the pipeline's bubble factor as well)."""
+    time, t = result.time, result.layout.tp
+    busy = time.compute + time.tensor_parallel + time.pipeline
+    hidden = time.tensor_parallel * (t - 1) / t * (1 + time.bubble / busy)
+    scale = time.step / (time.step - hidden)
+    faster = replace(time, tensor_parallel=time.tensor_parallel / t, bubble=time.bubble - hidden + time.tensor_parallel
+                     * (t - 1) / t, step=time.step - hidden)
+    return replace(result, time=faster, tokens_per_second=result.tokens_per_second * scale, mfu=result.mfu * scale)
 
 
 #: torchtitan's H100s run at a 500 W power limit, their peak "between SXM and NVL" (the page): NVL's datasheet
@@ -149,10 +164,13 @@ def _nemo(efficiency: float) -> float:
     return estimate(LLAMA3_70B, cluster, NEMO_70B_LAYOUT, 128).tokens_per_second / 64
 
 
-def _float8(efficiency: float, model: ModelShape, layout: Layout, global_batch: int) -> float:
+def _float8(efficiency: float, model: ModelShape, layout: Layout, global_batch: int, async_tp: bool) -> float:
     cluster = Cluster.preset("h100-sxm", nodes=layout.gpus // 8, memory_bytes=96e9, memory_bandwidth=2.4e12,
                              peak_flops=TORCHTITAN_H100_PEAK_TFLOPS * 1e12, efficiency=efficiency)
-    return estimate(model, cluster, layout, global_batch).tokens_per_second / layout.gpus
+    result = estimate(model, cluster, layout, global_batch)
+    if layout.activation_checkpointing == "selective":  # torchtitan's "selective op"
+        result = with_op_sac_recompute(result, model, cluster, global_batch // layout.dp)
+    return (with_async_tp(result) if async_tp else result).tokens_per_second / layout.gpus
 
 
 def _mpt(efficiency: float, row: tuple) -> float:
@@ -169,7 +187,7 @@ def published_runs() -> list[Published]:
     runs += [Published("torchtitan docs/performance.md @0413364", f"{run.name}, 64 A100, local batch"
                        f" {run.local_batch}, {run.published_as}", run.published, "a100", False,
                        lambda e, run=run: _torchtitan(e, run, a100(run)))
-             for run in A100_RUNS if not (run.name == "Llama 2 70B" and run.published_as == "selective op")]
+             for run in A100_RUNS]
     runs += [Published("torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bf",
                        f"{run.name}, {run.gpus} H100 (500 W), local batch 2, {run.published_as}", run.published,
                        "h100", index == 0,
@@ -180,8 +198,9 @@ def published_runs() -> list[Published]:
                        row[8][:4], (row[0], row[8]) in MPT_FITTED, lambda e, row=row: _mpt(e, row)) for row in MPT_RUNS]
     runs += [Published(f"torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bf, {table}",
                        f"{config}, compile, Float8", published, "h100", False,
-                       lambda e, model=model, layout=layout, batch=batch: _float8(e, model, layout, batch))
-             for table, config, model, layout, batch, published in FLOAT8_RUNS]
+                       lambda e, model=model, layout=layout, batch=batch, overlap=overlap:
+                       _float8(e, model, layout, batch, overlap))
+             for table, config, model, layout, batch, published, overlap in FLOAT8_RUNS]
     runs.append(Published("NeMo AutoModel docs/performance-summary.md @e458120", "Llama 3.1 70B, 64 DGX H100,"
                           " FSDP2 32 × cp 2, local batch 1, acc 4, full AC, compile", NEMO_70B_TOKENS_PER_GPU, "h100",
                           False, _nemo))

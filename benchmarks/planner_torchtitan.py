@@ -14,11 +14,12 @@ Sources, pytorch/torchtitan ``docs/performance.md``:
   says the peak FLOP/s of these power-limited GPUs is unknown (between H100 SXM's and NVL's); the planner is run at
   both ends, 989 and 835 TFLOP/s.
 
-Where torchtitan differs from what the planner prices: its "selective op" policy saves every *other* matmul output
-and recomputes the rest (HybridStrategy's ``"selective"`` keeps them all: less recompute, more memory), its RMSNorm
-and rotary embeddings run as several eager kernels each (the planner counts a norm as one kernel and no rotary
-embedding), and each row's network is an assumption. The "selective op" rows are predicted with HybridStrategy's
-policy.
+Where torchtitan differs from HybridStrategy: its "selective op" policy keeps every matmul output but every second
+one of a block (``torchtitan/parallelisms/parallelize_llama.py`` at 9dec370, the commit the H100 page names: the
+policy counts ``aten.mm`` calls per block and recomputes the even ones), so its backward runs wk, wo and w3 again;
+HybridStrategy's ``"selective"`` keeps them all (less recompute, more memory). The "selective op" rows are priced
+as HybridStrategy's ``"selective"`` plus those three GEMMs' forward once more (:func:`with_op_sac_recompute`). Each
+row's network is an assumption.
 
 Usage::
 
@@ -28,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple, Union
 
@@ -38,7 +40,8 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.harness import markdown_table  # noqa: E402
 from lightning_hybrid.planner.cost import estimate  # noqa: E402
 from lightning_hybrid.hardware import Cluster  # noqa: E402
-from lightning_hybrid.planner.layout import Estimate, Layout  # noqa: E402
+from lightning_hybrid.planner.kernels import gemm_seconds  # noqa: E402
+from lightning_hybrid.planner.layout import OUT_OF_MEMORY, Estimate, Layout  # noqa: E402
 from lightning_hybrid.planner.model import ModelShape  # noqa: E402
 
 #: torchtitan's Llama: RMSNorm as the reference implementation writes it (fp32, eager kernels unless compiled),
@@ -87,7 +90,38 @@ H100_RUNS = (
 
 def predict(run: Run, cluster: Cluster) -> Estimate:
     layout = Layout(dp=run.gpus, activation_checkpointing=run.checkpointing, compile=run.compile)
-    return estimate(run.model, cluster, layout, run.local_batch * run.gpus)
+    result = estimate(run.model, cluster, layout, run.local_batch * run.gpus)
+    return with_op_sac_recompute(result, run.model, cluster, run.local_batch) if run.checkpointing == "selective" \
+        else result
+
+
+def op_sac_recompute_seconds(model: ModelShape, cluster: Cluster, sequences: int, tp: int = 1) -> float:
+    """Seconds per block and microbatch of ``sequences`` sequences that torchtitan's "selective op" backward spends
+    on the matmuls its policy does not keep: of the forward's wq, wk, wv, wo, w1, w3, w2 (each an ``aten.mm``) the
+    2nd, 4th and 6th, i.e. wk, wo and w3, on one tp rank (in float8 with ``model.float8_linears``)."""
+    rows, head = sequences * model.seq_len, model.hidden // model.heads
+    shapes = ((rows, model.kv_heads * head / tp, model.hidden), (rows, model.hidden, model.hidden / tp),
+              (rows, model.ffn_hidden / tp, model.hidden))
+    return sum(gemm_seconds(cluster, *shape, float8=model.float8_linears) for shape in shapes)
+
+
+def with_op_sac_recompute(result: Estimate, model: ModelShape, cluster: Cluster, sequences: int) -> Estimate:
+    """``result`` (HybridStrategy's ``"selective"``, one microbatch per step, no pipeline) as torchtitan's policy runs
+    it: the rank's layers × :func:`op_sac_recompute_seconds` added to compute and step, and the outputs of wk, wo and
+    w3 not kept (each block's activations that much smaller). The data-parallel traffic that showed is kept (what
+    nothing precedes or follows stays exposed, whatever the compute)."""
+    tp = result.layout.tp
+    extra = model.layers * op_sac_recompute_seconds(model, cluster, sequences, tp)
+    time = replace(result.time, compute=result.time.compute + extra, step=result.time.step + extra)
+    head = model.hidden // model.heads
+    unkept = (model.kv_heads * head / tp + model.hidden + model.ffn_hidden / tp) * 2  # bytes per token, bf16
+    memory = replace(result.memory, activations=result.memory.activations
+                     - model.layers * sequences * model.seq_len * unkept)
+    scale = result.time.step / time.step
+    reasons = tuple(reason for reason in result.reasons if not reason.startswith(OUT_OF_MEMORY)
+                    or memory.total > cluster.memory_bytes * cluster.usable_memory_fraction)
+    return replace(result, memory=memory, time=time, tokens_per_second=result.tokens_per_second * scale,
+                   mfu=result.mfu * scale, reasons=reasons)
 
 
 def a100(run: Run, network_gbps: float = 25) -> Cluster:

@@ -45,7 +45,7 @@ class GpuSpec(NamedTuple):
 #: (eager). The other published runs are held out (benchmarks/planner_kernels.py; BENCHMARKS.md, "Planner on modern
 #: kernels (issue 32)").
 A100_MATMUL_EFFICIENCY = 0.77
-H100_MATMUL_EFFICIENCY = 0.51
+H100_MATMUL_EFFICIENCY = 0.53
 
 GPU_PRESETS: dict[str, GpuSpec] = {
     # A100 SXM datasheet: 312 TFLOPS BF16 dense, 19.5 FP32, NVLink 3 600 GB/s (300 per direction), HBM2 1,555

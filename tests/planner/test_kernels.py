@@ -84,7 +84,7 @@ def test_llamas_eager_fp32_rms_norm_and_rotary_embeddings_cost_their_kernels_pas
 def test_the_presets_carry_the_kernel_profile_and_a_hand_made_cluster_keeps_one_efficiency() -> None:
     a100, h100 = Cluster.preset("a100-80gb"), Cluster.preset("h100-sxm")
     assert (a100.streaming_multiprocessors, a100.efficiency, a100.attention_efficiency) == (108, 0.77, 0.55)
-    assert (h100.streaming_multiprocessors, h100.efficiency, h100.attention_efficiency) == (132, 0.51, 0.35)
+    assert (h100.streaming_multiprocessors, h100.efficiency, h100.attention_efficiency) == (132, 0.53, 0.35)
     assert Cluster(nodes=1, gpus_per_node=1, memory_bytes=1, peak_flops=1, intra_node_bandwidth=1,
                    inter_node_bandwidth=1).streaming_multiprocessors is None
 
@@ -109,23 +109,21 @@ H100_PUBLISHED = {
     "Llama 3.1 8B, 128 H100 (500 W), local batch 2, selective op, torch.compile": (6514, 0.85, 1.15),
     # Table 1, 3, 4, 5: torch.compile and torchao's Float8 linear layers
     "Llama 3.1 8B, 8 H100, FSDP 8, local batch 2, selective op, compile, Float8": (8532, 0.85, 1.15),
-    # Held out and missed: the fp8 GEMMs' gain over bf16 comes out larger than measured (1.46× against 1.28×)
-    "Llama 3.1 8B, 128 H100, FSDP 128, local batch 2, selective op, compile, Float8": (8380, 1.15, 1.17),
+    "Llama 3.1 8B, 128 H100, FSDP 128, local batch 2, selective op, compile, Float8": (8380, 0.85, 1.15),
     "Llama 3.1 70B, 256 H100, FSDP 32 × TP 8, local batch 16, full AC, compile, Float8": (829, 0.85, 1.15),
-    # Held out and missed: the published interleaved schedule is 1.28× faster than 1F1B, the bubble gives 1.07×
-    "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 1F1B m32, local batch 32, full AC, AsyncTP, compile, Float8":
-        (100, 1.15, 1.18),
-    "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 interleaved 1F1B m32 v2, local batch 32, full AC, AsyncTP,"
+    "Llama 3.1 70B, 256 H100, FSDP 32 × TP 8, local batch 16, full AC, AsyncTP, compile, Float8": (876, 0.85, 1.15),
+    "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 1F1B m8, local batch 32, full AC, AsyncTP, compile, Float8":
+        (100, 0.85, 1.15),
+    "Llama 3.1 405B, 512 H100, FSDP 8 × TP 8 × PP 8 interleaved 1F1B m8 v2, local batch 32, full AC, AsyncTP,"
     " compile, Float8": (128, 0.85, 1.15),
     "MPT 1B, 8 H100-SXM, microbatch 14, acc 1, no AC": (45455, 0.85, 1.15),
     "MPT 3B, 16 H100-SXM, microbatch 10, acc 3, no AC": (24142, 0.85, 1.15),
     "MPT 7B, 8 H100-SXM, microbatch 6, acc 1, no AC": (10643, 0.85, 1.15),
-    "MPT 13B, 8 H100-SXM, microbatch 2, acc 1, no AC": (4792, 0.85, 1.15),
+    # Held out and missed: microbatch 2 of a 5120-wide model runs slower than its GEMMs' shapes give
+    "MPT 13B, 8 H100-SXM, microbatch 2, acc 1, no AC": (4792, 1.15, 1.20),
     "MPT 30B, 8 H100-SXM, microbatch 3, acc 21, full AC": (2002, 0.85, 1.15),
     "MPT 70B, 64 H100-SXM, microbatch 8, acc 4, full AC": (1039, 0.85, 1.15),
-    # Held out and missed: a 700 W DGX H100's GEMMs run faster than the constant fitted on 500 W H100s and 2023
-    # kernels allows (the step is 98 % compute: FSDP2 over the node's 8 NICs hides behind it).
-    "Llama 3.1 70B, 64 DGX H100, FSDP2 32 × cp 2, local batch 1, acc 4, full AC, compile": (866.77, 0.80, 0.85),
+    "Llama 3.1 70B, 64 DGX H100, FSDP2 32 × cp 2, local batch 1, acc 4, full AC, compile": (866.77, 0.85, 1.15),
 }
 
 
@@ -152,3 +150,16 @@ def test_every_published_modern_kernel_run_is_predicted_in_its_band(generation: 
         run = runs[config]
         assert run.published == figure, config
         assert low <= run.predict(efficiency) / figure <= high, config
+
+
+def test_torchtitans_405b_schedules_differ_by_their_bubbles_at_its_default_microbatches() -> None:
+    """Published: interleaved 1F1B (2 stages a rank) 128 tokens/s per GPU, 1F1B 100: 1.28×. At torchtitan's default
+    of 8 microbatches (the pipeline degree) the bubbles, 7/15 and 7/23 of the step, give that ratio; at 32 they
+    would give 1.08×."""
+    from benchmarks.planner_kernels import published_runs
+
+    runs = {run.config: run for run in published_runs() if "405B" in run.config}
+    one_f_one_b = next(run for name, run in runs.items() if " 1F1B m8," in name)
+    interleaved = next(run for name, run in runs.items() if "interleaved 1F1B m8 v2" in name)
+    ratio = interleaved.predict(H100_MATMUL_EFFICIENCY) / one_f_one_b.predict(H100_MATMUL_EFFICIENCY)
+    assert ratio == pytest.approx(128 / 100, rel=0.02)
