@@ -119,7 +119,7 @@ def with_op_sac_recompute(result: Estimate, model: ModelShape, cluster: Cluster,
                      - model.layers * sequences * model.seq_len * unkept)
     scale = result.time.step / time.step
     reasons = tuple(reason for reason in result.reasons if not reason.startswith(OUT_OF_MEMORY)
-                    or memory.total > cluster.memory_bytes * cluster.usable_memory_fraction)
+                    or memory.total > cluster.usable_memory)
     return replace(result, memory=memory, time=time, tokens_per_second=result.tokens_per_second * scale,
                    mfu=result.mfu * scale, reasons=reasons)
 
