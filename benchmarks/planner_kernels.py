@@ -89,11 +89,12 @@ def with_async_tp(result: Estimate) -> Estimate:
     matmuls): each collective split into t transfers, each behind the partial matmul of the chunk before, so all but
     the first, (t − 1)/t of the TP time, hides behind compute (in the pipeline's bubble factor as well)."""
     time, t = result.time, result.layout.tp
-    busy = time.compute + time.tensor_parallel + time.pipeline
-    hidden = time.tensor_parallel * (t - 1) / t * (1 + time.bubble / busy)
-    scale = time.step / (time.step - hidden)
-    faster = replace(time, tensor_parallel=time.tensor_parallel / t, bubble=time.bubble - hidden + time.tensor_parallel
-                     * (t - 1) / t, step=time.step - hidden)
+    busy = time.compute + time.tensor_parallel + time.pipeline  # the step's pipelined part is busy × (1 + bubble/busy)
+    overlapped = time.tensor_parallel * (t - 1) / t
+    hidden = overlapped * (1 + time.bubble / busy)
+    faster = replace(time, tensor_parallel=time.tensor_parallel - overlapped,
+                     bubble=time.bubble * (1 - overlapped / busy), step=time.step - hidden)
+    scale = time.step / faster.step
     return replace(result, time=faster, tokens_per_second=result.tokens_per_second * scale, mfu=result.mfu * scale)
 
 
