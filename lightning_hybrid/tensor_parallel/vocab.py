@@ -36,7 +36,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Collection, Mapping, Optional
 
 from torch import nn
@@ -78,7 +78,24 @@ def find_vocab_layers(root: nn.Module, blocks: BlockList, record: SetupRecord, t
 
     embeddings = [name for name, m in candidates.items() if isinstance(m, nn.Embedding) and only(name, BEFORE)]
     heads = [name for name, m in candidates.items() if isinstance(m, nn.Linear) and only(name, AFTER)]
-    return _pair(candidates, embeddings, heads, tp, record.largest_first_input)
+    layers = _pair(candidates, embeddings, heads, tp, record.largest_first_input)
+    unproven = _embeddings_with_own_forward(root, blocks, exclude)
+    if layers.embedding is None and unproven:
+        return replace(layers, reason=f"{layers.reason}; not considered: {', '.join(unproven)}, an nn.Embedding"
+                       " subclass with a forward of its own, which the vocabulary-sharded lookup is not proven for")
+    return layers
+
+
+def _embeddings_with_own_forward(root: nn.Module, blocks: BlockList, exclude: Collection[str]) -> list[str]:
+    """``'name' (Class)`` of each ``nn.Embedding`` subclass with its own forward outside the blocks (Gemma's scaled
+    word embedding): why no token embedding was found, where one is."""
+    return [f"'{name}' ({type(module).__name__})" for name, module in _outside_blocks(root, blocks, exclude)
+            if isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward]
+
+
+def _outside_blocks(root: nn.Module, blocks: BlockList, exclude: Collection[str]) -> list[tuple[str, nn.Module]]:
+    inside = {id(m) for m in blocks.modules()}
+    return [(name, module) for name, module in root.named_modules() if id(module) not in inside and name not in exclude]
 
 
 def _read_outside(candidates: dict[str, nn.Module], record: SetupRecord) -> set[str]:
@@ -99,11 +116,9 @@ def _read_outside(candidates: dict[str, nn.Module], record: SetupRecord) -> set[
 def _candidates(root: nn.Module, blocks: BlockList, exclude: Collection[str]) -> dict[str, nn.Module]:
     """Plain ``nn.Embedding`` / ``nn.Linear`` modules outside the blocks (a subclass with its own forward may use
     its weight in ways the styles do not shard)."""
-    inside = {id(m) for m in blocks.modules()}
     plain = {nn.Embedding: nn.Embedding.forward, nn.Linear: nn.Linear.forward}
-    return {name: module for name, module in root.named_modules()
-            if id(module) not in inside and name not in exclude
-            and any(isinstance(module, kind) and type(module).forward is forward for kind, forward in plain.items())}
+    return {name: module for name, module in _outside_blocks(root, blocks, exclude)
+            if any(isinstance(module, kind) and type(module).forward is forward for kind, forward in plain.items())}
 
 
 def _pair(candidates: dict[str, nn.Module], embeddings: list[str], heads: list[str], tp: int,

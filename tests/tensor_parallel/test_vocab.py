@@ -65,6 +65,34 @@ def test_what_cannot_be_sharded_stays_whole_with_the_reason() -> None:
     assert (user.embedding, user.head) == (None, None) and "model.tok_emb" in user.reason
 
 
+class _ScaledEmbedding(nn.Embedding):
+    """Gemma's word embedding: the lookup times sqrt(width), in a forward of its own."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return super().forward(tokens) * self.embedding_dim ** 0.5
+
+
+class _ScaledEmbeddingLM(_HandTiedLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = _ScaledEmbedding(64, 16)
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_an_embedding_with_a_forward_of_its_own_stays_whole_and_is_named() -> None:
+    found = _found(_ScaledEmbeddingLM())
+    assert (found.embedding, found.head) == (None, None)
+    assert found.reason.endswith("; not considered: 'embed' (_ScaledEmbedding), an nn.Embedding subclass with a"
+                                 " forward of its own, which the vocabulary-sharded lookup is not proven for")
+
+
 def test_shard_vocab_must_be_a_bool() -> None:
     assert HybridOptions(tp=2).shard_vocab is True
     with pytest.raises(ValueError, match=r"shard_vocab='no'\) is invalid: pass True"):
