@@ -22,12 +22,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.harness import launch_ranks, markdown_table, save_rank_result  # noqa: E402
-from benchmarks.hf_load_memory import WORLD, PeakRSS, _measured, validate_meta_llama  # noqa: E402
+from benchmarks.hf_load_memory import WORLD, MiB, PeakRSS, _measured, validate_meta_llama  # noqa: E402
 
 CONFIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=64, tie_word_embeddings=True,
               attn_implementation="eager")
-MiB = 2**20
 
 
 def run_rank(full_size: bool, out: Path) -> None:

@@ -95,28 +95,26 @@ def predict(run: Run, cluster: Cluster) -> Estimate:
         else result
 
 
-def op_sac_recompute_seconds(model: ModelShape, cluster: Cluster, sequences: int, tp: int = 1) -> float:
-    """Seconds per block and microbatch of ``sequences`` sequences that torchtitan's "selective op" backward spends
-    on the matmuls its policy does not keep: of the forward's wq, wk, wv, wo, w1, w3, w2 (each an ``aten.mm``) the
-    2nd, 4th and 6th, i.e. wk, wo and w3, on one tp rank (in float8 with ``model.float8_linears``)."""
+def op_sac_recomputed_gemms(model: ModelShape, sequences: int, tp: int = 1) -> tuple[tuple[float, float, float], ...]:
+    """(m, n, k) of the matmuls torchtitan's "selective op" policy does not keep, per block and microbatch of
+    ``sequences`` sequences on one tp rank: of the forward's wq, wk, wv, wo, w1, w3, w2 (each an ``aten.mm``) the
+    2nd, 4th and 6th, i.e. wk, wo and w3. Its backward runs them again; their outputs (m × n) are not saved."""
     rows, head = sequences * model.seq_len, model.hidden // model.heads
-    shapes = ((rows, model.kv_heads * head / tp, model.hidden), (rows, model.hidden, model.hidden / tp),
-              (rows, model.ffn_hidden / tp, model.hidden))
-    return sum(gemm_seconds(cluster, *shape, float8=model.float8_linears) for shape in shapes)
+    return ((rows, model.kv_heads * head / tp, model.hidden), (rows, model.hidden, model.hidden / tp),
+            (rows, model.ffn_hidden / tp, model.hidden))
 
 
 def with_op_sac_recompute(result: Estimate, model: ModelShape, cluster: Cluster, sequences: int) -> Estimate:
     """``result`` (HybridStrategy's ``"selective"``, one microbatch per step, no pipeline) as torchtitan's policy runs
-    it: the rank's layers × :func:`op_sac_recompute_seconds` added to compute and step, and the outputs of wk, wo and
-    w3 not kept (each block's activations that much smaller). The data-parallel traffic that showed is kept (what
-    nothing precedes or follows stays exposed, whatever the compute)."""
-    tp = result.layout.tp
-    extra = model.layers * op_sac_recompute_seconds(model, cluster, sequences, tp)
+    it: the rank's layers × the forward of :func:`op_sac_recomputed_gemms` (in float8 with
+    ``model.float8_linears``) added to compute and step, and their outputs not kept (bf16: each block's activations
+    that much smaller). The data-parallel traffic that showed is kept (what nothing precedes or follows stays
+    exposed, whatever the compute)."""
+    gemms = op_sac_recomputed_gemms(model, sequences, result.layout.tp)
+    extra = model.layers * sum(gemm_seconds(cluster, *gemm, float8=model.float8_linears) for gemm in gemms)
     time = replace(result.time, compute=result.time.compute + extra, step=result.time.step + extra)
-    head = model.hidden // model.heads
-    unkept = (model.kv_heads * head / tp + model.hidden + model.ffn_hidden / tp) * 2  # bytes per token, bf16
-    memory = replace(result.memory, activations=result.memory.activations
-                     - model.layers * sequences * model.seq_len * unkept)
+    unkept = model.layers * sum(m * n for m, n, _ in gemms) * 2
+    memory = replace(result.memory, activations=result.memory.activations - unkept)
     scale = result.time.step / time.step
     reasons = tuple(reason for reason in result.reasons if not reason.startswith(OUT_OF_MEMORY)
                     or memory.total > cluster.usable_memory)

@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from lightning_hybrid.hardware import GIB, GPU_PRESETS, Cluster
+from lightning_hybrid.hardware import A100_MATMUL_EFFICIENCY, GIB, GPU_PRESETS, H100_MATMUL_EFFICIENCY, Cluster
 from lightning_hybrid.planner.syntax import LAYOUT_SYNTAX
 
 # The planner and the checkpoint reader need torch; they load once a command runs, so --help answers at once.
@@ -150,8 +150,8 @@ def _add_plan_command(commands: Any) -> None:
     cluster.add_argument("--nodes", type=int, default=1)
     cluster.add_argument("--gpus-per-node", type=int, default=8)
     cluster.add_argument("--efficiency", type=float, help="achievable share of peak: of a large aligned GEMM with"
-                         " a preset (A100 0.77, H100 0.50; the shapes give the rest), else of all compute (default"
-                         " 0.5)")
+                         f" a preset (A100 {A100_MATMUL_EFFICIENCY}, H100 {H100_MATMUL_EFFICIENCY}; the shapes give"
+                         " the rest), else of all compute (default 0.5)")
     _add_strategy_options(plan)
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     plan.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed (default), bf16-true or 16-true")

@@ -154,8 +154,12 @@ def _buffers_on_meta(stage: Any) -> Iterator[None]:
 def _allocate(recv_infos: tuple, device: torch.device) -> None:
     for info in recv_infos:
         if info.buffer is not None and info.buffer.is_meta:
-            info.buffer = torch.empty_strided(info.buffer.shape, info.buffer.stride(), dtype=info.buffer.dtype,
-                                              device=device)
+            info.buffer = _empty_on(info.buffer, device)
+
+
+def _empty_on(buffer: torch.Tensor, device: Any) -> torch.Tensor:
+    """An uninitialized tensor of ``buffer``'s shape, strides and dtype on ``device`` (``"meta"``: a placeholder)."""
+    return torch.empty_strided(buffer.shape, buffer.stride(), dtype=buffer.dtype, device=device)
 
 
 def _detach(loss: Any) -> None:
@@ -174,8 +178,7 @@ def _detached(value: Any) -> Any:
 def _release(recv_infos: tuple) -> None:
     for info in recv_infos:
         if info.buffer is not None and not info.buffer.is_meta:
-            info.buffer = torch.empty_strided(info.buffer.shape, info.buffer.stride(), dtype=info.buffer.dtype,
-                                              device="meta")
+            info.buffer = _empty_on(info.buffer, "meta")
 
 
 def release_sends_on_arrival() -> None:

@@ -60,10 +60,9 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_hybrid._compat import compute_local_shape_and_global_offset
 from lightning_hybrid.parallel.shard_init import ReplayRecorder, Write, replay, target_of
 
 #: The LightningModule method :func:`init_weights` calls for every module first (see the module docstring).
@@ -234,7 +233,7 @@ def _replay_on_shards(step: _Step) -> None:
     for original in step.writes:
         target = target_of(original)
         if target is None:
-            whole = torch.empty(original.shape, dtype=original.dtype, device=_local(original).device)
+            whole = _stand_in(original, _local(original).device)
             target = target_of(whole)
             strided.append((original, whole))
         targets[id(original)] = target
@@ -321,9 +320,9 @@ def _keep_local_part(full: Tensor, like: Tensor) -> Tensor:
     same ``full``, so going from replicated to ``like``'s placements only slices locally."""
     if not isinstance(like, DTensor):
         return full
+    box = target_of(like)
+    if box is not None:  # a view of full, no clone
+        return full[tuple(slice(o, o + n) for o, n in zip(box.offset, box.local.shape))]
     mesh = like.device_mesh
-    if all(type(p) in (Shard, Replicate) for p in like.placements):  # a box: a view of full, no clone
-        shape, offset = compute_local_shape_and_global_offset(like.shape, mesh, like.placements)
-        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
     replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, like.placements).to_local()
