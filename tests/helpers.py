@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,6 +38,8 @@ SCRIPT = REPO_ROOT / "tests" / "equivalence.py"
 #: rank was a fresh interpreter importing torch and Lightning; the margin covers slow CI machines.
 DEFAULT_TIMEOUT_S = 300.0
 _TAIL_CHARS = 6000
+#: A traceback's last line: ``SomeError: message``.
+_ERROR_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b")
 #: Arguments of ``equivalence.py`` for a shorter run that keeps what the default 6 steps over 64 samples check:
 #: 4 optimizer steps over 48 samples are epoch 0 (3 steps: the warm-up's learning rates and the first constant one),
 #: its validation, and a step of epoch 1 (the sampler reshuffled by ``set_epoch``): 8 micro-batches instead of 12.
@@ -127,7 +130,8 @@ def launch_and_wait(args: list[str], expected: Sequence[Path], timeout_s: float,
     run_s = time.perf_counter() - start
     failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
     if failed or not all(path.exists() for path in expected):
-        raise ScriptError(f"ranks {failed} failed after {run_s:.1f}s: {command}\n{_tails(logs)}")
+        raise ScriptError(f"ranks {failed} failed after {run_s:.1f}s ({_exits(procs, logs, failed)}): {command}\n"
+                          f"{_tails(logs)}")
     return run_s
 
 
@@ -282,6 +286,20 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def _exits(procs: Sequence[Any], logs: list[Path], failed: list[int]) -> str:
+    """Each failed rank's exit status (a signal by name) and the last error line of its log, first in the message:
+    a long report may be cut before the tails that would say why a rank ended."""
+    parts = []
+    for rank in failed:
+        code = procs[rank].returncode
+        status = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        text = logs[rank].read_text(errors="replace") if logs[rank].exists() else ""
+        errors = [line for line in text.splitlines()
+                  if _ERROR_LINE.match(line) or line.startswith(("Fatal Python error", "[lightning-hybrid watchdog]"))]
+        parts.append(f"rank {rank}: {status}" + (f", {errors[-1][:300]}" if errors else ", no error line"))
+    return "; ".join(parts)
 
 
 def _tails(logs: list[Path]) -> str:

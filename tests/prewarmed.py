@@ -18,6 +18,7 @@ themselves. ``LIGHTNING_HYBRID_TEST_FRESH_PROCESSES=1`` starts fresh interpreter
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import random
@@ -93,6 +94,7 @@ def _run_script(argv: Sequence[str], env: dict[str, str], cwd: str, log: str, er
     os.dup2(errors, 2)
     for fd in {output, errors}:
         os.close(fd)
+    faulthandler.enable()  # a rank that crashes in C (a segfault, an abort) leaves its Python stack in its log
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import launch_env, run_script, wait_or_kill
+from tests.helpers import ScriptError, launch_and_wait, launch_env, run_script, wait_or_kill
 from tests.prewarmed import FRESH_PROCESSES_VARIABLE, PrewarmedProcess
 
 _PROBE = """
@@ -55,6 +55,17 @@ def test_a_killed_forked_rank_reports_the_signal_and_a_waited_one_times_out(tmp_
     assert process.returncode == -signal.SIGKILL
     with pytest.raises(OSError):
         os.kill(process.pid, 0)  # the process group is gone too
+
+
+def test_a_rank_that_crashes_is_reported_by_its_signal_and_its_python_stack(tmp_path: Path) -> None:
+    script = tmp_path / "crash.py"
+    script.write_text("import ctypes, sys\nprint('rank', sys.argv[-1])\n\ndef deep():\n    ctypes.string_at(0)\n\n"
+                      "deep()\n")
+    with pytest.raises(ScriptError) as failure:
+        launch_and_wait(["--devices", "2", "--out", str(tmp_path / "run.pt")], [], 60, script=script)
+    header = str(failure.value).splitlines()[0]
+    assert "ranks [0, 1] failed" in header and "rank 0: signal SIGSEGV, Fatal Python error: Segmentation fault" in header
+    assert 'line 5 in deep' in (tmp_path / "run.rank1.log").read_text()  # faulthandler's stack of the crash
 
 
 @pytest.mark.slow
