@@ -5,6 +5,8 @@ that does not match the model stops setup with one message."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,8 @@ MOE_MODELS = ("hf_mixtral", "hf_qwen3_moe")
 #: short run (``SHORT_RUN``): the 8-rank pipeline's four fits are bound by their steps.
 LAYOUTS = {"tp2": (["--tp", 2, "--devices", 2, *SHORT_RUN], 1), "pp2": (["--pp", 2, "--devices", 2, *SHORT_RUN], 1),
            "dp2_tp2_pp2": (["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8, *SHORT_RUN], 2)}
+#: 8 ranks on 2 cores; its parts run in the default suite (tp2, pp2 here, FSDP2 loading in tests/expert_parallel).
+EXTENDED = {"dp2_tp2_pp2"}
 
 
 def _save_pretrained(model: str, folder: Path) -> Path:
@@ -45,20 +49,24 @@ def _models(dp_size: int) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def references(pretrained: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
-    """Single-process Lightning fine-tuning from ``from_pretrained`` weights, per data-parallel size."""
-    runs = {}
-    for dp_size in sorted({dp for _, dp in LAYOUTS.values()}):
+def references(pretrained: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict]]:
+    """``references(dp_size)``: single-process Lightning fine-tuning from ``from_pretrained`` weights, run when a
+    selected layout first needs that data-parallel size."""
+
+    @functools.cache
+    def run(dp_size: int) -> list[dict]:
         out = tmp_path_factory.mktemp(f"reference_dp{dp_size}") / "reference.pt"
         entries = [{"model": model, "module": {"pretrained": str(pretrained[model])}} for model in _models(dp_size)]
-        runs[dp_size] = run_sweep(["--reference", "--dp", dp_size, "--devices", 1, *SHORT_RUN, "--out", out], entries)
-    return runs
+        return run_sweep(["--reference", "--dp", dp_size, "--devices", 1, *SHORT_RUN, "--out", out], entries)
+
+    return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[pytest.mark.extended] if layout in EXTENDED else [])
+                                    for layout in LAYOUTS])
 def test_fine_tuning_from_a_hugging_face_directory_equals_single_device(
-    layout: str, pretrained: dict[str, Path], references: dict[int, list[dict]], tmp_path: Path
+    layout: str, pretrained: dict[str, Path], references: Callable[[int], list[dict]], tmp_path: Path
 ) -> None:
     arguments, dp_size = LAYOUTS[layout]
     models = _models(dp_size)
@@ -70,7 +78,7 @@ def test_fine_tuning_from_a_hugging_face_directory_equals_single_device(
                for index, init in runs]
     results = run_sweep([*arguments, "--out", tmp_path / "run.pt"], entries)
     for (index, _), result in zip(runs, results):
-        model, reference = models[index], references[dp_size][index]
+        model, reference = models[index], references(dp_size)[index]
         if model in MODELS:  # saved under the model's names: every layout starts from exactly the saved weights
             for name, tensor in load_file(pretrained[model] / "model.safetensors").items():
                 assert torch.equal(result["initial_params"][f"model.{name}"], tensor), (model, name)

@@ -130,10 +130,13 @@ LAUNCHES = {
     "dp2_tp2_pp2": (["--dp", 2, "--tp", 2, "--pp", 2, "--devices", 8],
                     [{"pp_schedule": "interleaved_1f1b", "compile": {"backend": "aot_eager"}}]),
 }
+#: 8 ranks on 2 cores (48 s); the layouts it combines are compiled in the default suite (dp1's tp2 and pp2, dp2).
+EXTENDED = {"dp2_tp2_pp2"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", list(LAUNCHES))
+@pytest.mark.parametrize("launch", [pytest.param(launch, marks=[pytest.mark.extended] if launch in EXTENDED else [])
+                                    for launch in LAUNCHES])
 def test_compiled_training_equals_single_device(launch: str, reference_run: ReferenceFn, tmp_path: Path) -> None:
     """Compiled fp32 differs from eager fp32 by rounding only: inductor fuses elementwise ops and reorders a few
     reductions. Measured against the eager reference, the worst parameter after six steps differs by 7e-7 and the
