@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -286,6 +287,12 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def param_extended_if(extended: bool, *values: Any) -> Any:
+    """``values`` as one pytest parameter, marked ``extended`` (left out of the default run; ``-m extended``) if
+    ``extended``."""
+    return pytest.param(*values, marks=[pytest.mark.extended] if extended else [])
 
 
 def _exits(procs: Sequence[Any], logs: list[Path], failed: list[int]) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.parallel.parallelize import find_blocks
-from tests.helpers import SHORT_RUN, assert_equivalent, cached_runs, run_sweep
+from tests.helpers import SHORT_RUN, assert_equivalent, cached_runs, param_extended_if, run_sweep
 from tests.models import build_module
 from tests.zoo import VOCAB
 
@@ -127,7 +127,7 @@ def zoo_runs(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _cases(layout_filter=lambda layout: True) -> list:
-    return [pytest.param(model, layout, marks=[pytest.mark.extended] if layout in EXTENDED_LAYOUTS else [])
+    return [param_extended_if(layout in EXTENDED_LAYOUTS, model, layout)
             for model, layouts in CASES.items() for layout in layouts if layout_filter(layout)]
 
 
@@ -375,8 +375,7 @@ def test_what_tp_keeps_whole_is_what_tp_strict_refuses(model: str, layout: str) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "layout"), [
-    pytest.param(model, layout, marks=[pytest.mark.extended] if layout in EXTENDED_LAYOUTS else [])
-    for model, layout in KEPT_WHOLE])
+    param_extended_if(layout in EXTENDED_LAYOUTS, model, layout) for model, layout in KEPT_WHOLE])
 def test_what_tp_keeps_whole_is_reported(model: str, layout: str, zoo_runs) -> None:
     first = zoo_runs(layout)[model]["tp_plan"].structures[KEPT_WHOLE[(model, layout)][3]]
     assert first.kept_whole[0].modules == KEPT_WHOLE[(model, layout)][1] and first.extra_bytes > 0

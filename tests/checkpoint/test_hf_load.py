@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_hybrid.checkpoint import hf_load
 from lightning_hybrid.checkpoint.hf_load import load_pretrained
-from tests.helpers import SHORT_RUN, ScriptError, assert_equivalent, run_script, run_sweep
+from tests.helpers import SHORT_RUN, ScriptError, assert_equivalent, param_extended_if, run_script, run_sweep
 from tests.models import build_module
 
 #: Qwen2: a tied head (saved once), q/k/v biases; Phi-3: a fused q|k|v of unequal pieces, fused gate|up.
@@ -63,22 +63,17 @@ def references(pretrained: dict[str, Path], tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[pytest.mark.extended] if layout in EXTENDED else [])
-                                    for layout in LAYOUTS])
+@pytest.mark.parametrize("layout", [param_extended_if(layout in EXTENDED, layout) for layout in LAYOUTS])
 def test_fine_tuning_from_a_hugging_face_directory_equals_single_device(
     layout: str, pretrained: dict[str, Path], references: Callable[[int], list[dict]], tmp_path: Path
 ) -> None:
     arguments, dp_size = LAYOUTS[layout]
     models = _models(dp_size)
-    # Each family built eagerly and on the meta device (no rank ever holds the whole model); the 8-rank launch, a
-    # minute on 2 cores, builds one family each way.
-    runs = [(index, init) for init in ("eager", "meta") for index in range(len(models))]
-    runs = runs if dp_size == 1 else [(0, "eager"), (1, "meta")]
-    entries = [{"model": models[index], "weights": str(pretrained[models[index]]), "module": {"init": init}}
-               for index, init in runs]
+    entries = [{"model": model, "weights": str(pretrained[model])} for model in models]
+    # and built on the meta device: no rank ever holds the whole model
+    entries += [{"model": model, "weights": str(pretrained[model]), "module": {"init": "meta"}} for model in models]
     results = run_sweep([*arguments, "--out", tmp_path / "run.pt"], entries)
-    for (index, _), result in zip(runs, results):
-        model, reference = models[index], references(dp_size)[index]
+    for model, reference, result in zip(models * 2, references(dp_size) * 2, results):
         if model in MODELS:  # saved under the model's names: every layout starts from exactly the saved weights
             for name, tensor in load_file(pretrained[model] / "model.safetensors").items():
                 assert torch.equal(result["initial_params"][f"model.{name}"], tensor), (model, name)

@@ -16,7 +16,7 @@ from lightning_hybrid.options.hybrid_options import HybridOptions
 from lightning_hybrid.parallel.compile import compile_blocks
 from lightning_hybrid.parallel.parallelize import check_compile_layout, find_blocks
 from tests.conftest import ReferenceFn
-from tests.helpers import assert_equivalent, run_script, run_sweep
+from tests.helpers import assert_equivalent, param_extended_if, run_script, run_sweep
 from tests.models import GPTConfig, TinyGPT
 
 #: Dynamo alone (no inductor): what is compiled, and how often, without seconds of code generation per test.
@@ -135,8 +135,7 @@ EXTENDED = {"dp2_tp2_pp2"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", [pytest.param(launch, marks=[pytest.mark.extended] if launch in EXTENDED else [])
-                                    for launch in LAUNCHES])
+@pytest.mark.parametrize("launch", [param_extended_if(launch in EXTENDED, launch) for launch in LAUNCHES])
 def test_compiled_training_equals_single_device(launch: str, reference_run: ReferenceFn, tmp_path: Path) -> None:
     """Compiled fp32 differs from eager fp32 by rounding only: inductor fuses elementwise ops and reorders a few
     reductions. Measured against the eager reference, the worst parameter after six steps differs by 7e-7 and the
